@@ -1,0 +1,184 @@
+//! `Buffer<T>`: owns one block of device memory; dropping it returns the block to its pool.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+
+use crate::allocator::{Cuda, Kind, Shared};
+use crate::caching::Allocation;
+use crate::error::Result;
+
+const NO_BLOCK: u32 = u32::MAX;
+
+/// `len` elements of `T` in device memory, owned. Dropping it gives the block back to its pool
+/// (never panicking); the memory is reused by allocations on the same stream, and by others only
+/// after every stream that used it is done (see [`record_stream`](Buffer::record_stream)).
+///
+/// CUDA buffers (`Buffer<T>`, i.e. `Buffer<T, Cuda>`) implement cudarc's [`DeviceSlice`],
+/// [`DevicePtr`] and [`DevicePtrMut`], so they go wherever a `CudaSlice` goes: `memcpy_htod`,
+/// `memcpy_dtoh`, `launch_builder(..).arg(&buf)`, NCCL. Passing one to cudarc on another stream
+/// than its own records that stream automatically.
+///
+/// ```no_run
+/// let alloc = mempool::Allocator::cuda(0)?;
+/// let stream = alloc.current_stream();
+/// let mut buf = alloc.alloc::<f32>(1024)?;
+/// stream.memcpy_htod(&vec![1.0f32; 1024], &mut buf)?;
+/// let back = stream.clone_dtoh(&buf)?;
+/// assert_eq!(back[0], 1.0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct Buffer<T, K: Kind = Cuda> {
+    shared: Arc<Shared<K>>,
+    block: u32,
+    ptr: u64,
+    len: usize,
+    stream: K::Stream,
+    _elem: PhantomData<T>,
+}
+
+impl<T, K: Kind> Buffer<T, K> {
+    pub(crate) fn new(
+        shared: Arc<Shared<K>>,
+        a: Allocation,
+        len: usize,
+        stream: K::Stream,
+    ) -> Self {
+        Buffer {
+            shared,
+            block: a.block,
+            ptr: a.addr,
+            len,
+            stream,
+            _elem: PhantomData,
+        }
+    }
+
+    pub(crate) fn empty(shared: Arc<Shared<K>>, len: usize, stream: K::Stream) -> Self {
+        Buffer {
+            shared,
+            block: NO_BLOCK,
+            ptr: 0,
+            len,
+            stream,
+            _elem: PhantomData,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Size in bytes (`len * size_of::<T>()`).
+    pub fn num_bytes(&self) -> usize {
+        self.len * std::mem::size_of::<T>()
+    }
+
+    /// The device address (0 for an empty buffer).
+    pub fn device_ptr_raw(&self) -> u64 {
+        self.ptr
+    }
+
+    /// The stream it was allocated on.
+    pub fn stream(&self) -> &K::Stream {
+        &self.stream
+    }
+
+    /// The device index.
+    pub fn device(&self) -> usize {
+        self.shared.device
+    }
+
+    /// Notes that `stream` uses this buffer: when it is dropped, its memory is reused only after
+    /// the work queued on `stream` until then has completed (`Tensor.record_stream`). The
+    /// buffer's own stream needs no recording. A stream of another device is an error.
+    ///
+    /// As with PyTorch, a recorded stream must still exist when the buffer is dropped (that is
+    /// when its event is recorded); if it does not, the block is held back and the error is
+    /// reported by the allocator's next call.
+    pub fn record_stream(&self, stream: &K::Stream) -> Result<()> {
+        let found = K::stream_device(stream, self.shared.device);
+        if found != self.shared.device {
+            return Err(crate::Error::WrongDevice {
+                what: "record_stream",
+                expected: self.shared.device,
+                found,
+            });
+        }
+        self.note_use(K::stream_id(stream));
+        Ok(())
+    }
+
+    fn note_use(&self, stream: crate::StreamId) {
+        if self.block != NO_BLOCK {
+            self.shared.core.record_stream(self.block, stream);
+        }
+    }
+}
+
+impl<T, K: Kind> Drop for Buffer<T, K> {
+    fn drop(&mut self) {
+        if self.block != NO_BLOCK {
+            self.shared.core.free(self.block);
+        }
+    }
+}
+
+impl<T, K: Kind> fmt::Debug for Buffer<T, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Buffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("elem", &std::any::type_name::<T>())
+            .field("device", &self.shared.device)
+            .finish()
+    }
+}
+
+impl<T> Buffer<T, Cuda> {
+    fn use_on(&self, stream: &CudaStream) {
+        if stream.cu_stream() != self.stream.cu_stream()
+            && stream.context().ordinal() == self.shared.device
+        {
+            self.note_use(crate::StreamId(stream.cu_stream() as u64));
+        }
+    }
+}
+
+impl<T> DeviceSlice<T> for Buffer<T, Cuda> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for Buffer<T, Cuda> {
+    fn device_ptr<'a>(
+        &'a self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.use_on(stream);
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Buffer<T, Cuda> {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        stream: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.use_on(stream);
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}

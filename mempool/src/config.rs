@@ -1,0 +1,340 @@
+//! Allocator settings: `MEMPOOL_ALLOC_CONF` and the same through a builder.
+//!
+//! The keys and their meaning follow `PYTORCH_CUDA_ALLOC_CONF`:
+//!
+//! | key | value | effect |
+//! | --- | --- | --- |
+//! | `max_split_size_mb` | integer > 20 | blocks this large or larger are never split, and serve only requests within 20 MiB of their size |
+//! | `garbage_collection_threshold` | 0.0 < t < 1.0 | when reserved memory passes `t` × the memory-fraction limit, fully free cached segments are given back, oldest first, before new memory is asked for |
+//! | `roundup_power2_divisions` | a power of two, or `[256:1,512:2,>:4]` (MiB interval starts, `>` for the rest) | sizes are rounded up to the next of `divisions` steps between two powers of two |
+//!
+//! ```
+//! let c = mempool::Config::parse("max_split_size_mb:256,garbage_collection_threshold:0.8,roundup_power2_divisions:4")?;
+//! assert_eq!(c.max_split_size, 256 << 20);
+//! let same = mempool::Config::builder()
+//!     .max_split_size_mb(256)
+//!     .garbage_collection_threshold(0.8)
+//!     .roundup_power2_divisions(4)
+//!     .build()?;
+//! assert_eq!(c, same);
+//! # Ok::<(), mempool::Error>(())
+//! ```
+
+use crate::caching::rounding::{LARGE_BUFFER, POWER2_INTERVALS};
+use crate::error::{Error, Result};
+
+/// The environment variable read by the process-wide CUDA allocators.
+pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
+
+const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions";
+const MIB: usize = 1 << 20;
+
+/// Allocator settings. `Config::default()` is PyTorch's default behaviour.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// Blocks of this size or larger are never split (bytes; `usize::MAX`: no limit).
+    pub max_split_size: usize,
+    /// Fraction of the memory limit above which cached segments are collected (0: off).
+    pub garbage_collection_threshold: f64,
+    /// Round-up divisions per power-of-two interval, starting at 1 MiB (0 or 1: plain 512 B rounding).
+    pub roundup_power2_divisions: [usize; POWER2_INTERVALS],
+    /// Fraction of the device's total memory this allocator may reserve (1.0: all of it).
+    pub memory_fraction: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_split_size: usize::MAX,
+            garbage_collection_threshold: 0.0,
+            roundup_power2_divisions: [0; POWER2_INTERVALS],
+            memory_fraction: 1.0,
+        }
+    }
+}
+
+impl Config {
+    /// A builder starting from the defaults.
+    pub fn builder() -> ConfigBuilder {
+        ConfigBuilder {
+            config: Config::default(),
+            error: None,
+        }
+    }
+
+    /// Reads [`ENV_VAR`]; unset or empty gives the defaults.
+    pub fn from_env() -> Result<Config> {
+        match std::env::var(ENV_VAR) {
+            Ok(s) => Config::parse(&s).map_err(|e| match e {
+                Error::Config(m) => Error::Config(format!("{ENV_VAR}: {m}")),
+                other => other,
+            }),
+            Err(_) => Ok(Config::default()),
+        }
+    }
+
+    /// Parses `key:value,key:value`. An unknown key or a bad value is an error naming the key and
+    /// the valid keys or values.
+    pub fn parse(s: &str) -> Result<Config> {
+        let mut b = Config::builder();
+        for item in split_top_level(s) {
+            let item = item.trim();
+            if item.is_empty() {
+                continue;
+            }
+            let (key, value) = item.split_once(':').ok_or_else(|| {
+                Error::Config(format!("`{item}` is not `key:value`; valid keys: {KEYS}"))
+            })?;
+            let (key, value) = (key.trim(), value.trim());
+            b = match key {
+                "max_split_size_mb" => {
+                    b.max_split_size_mb(parse_num(key, value, "an integer number of MiB above 20")?)
+                }
+                "garbage_collection_threshold" => b.garbage_collection_threshold(parse_num(
+                    key,
+                    value,
+                    "a number between 0.0 and 1.0",
+                )?),
+                "roundup_power2_divisions" => {
+                    if value.starts_with('[') {
+                        b.roundup_power2_divisions_per_interval(parse_intervals(value)?)
+                    } else {
+                        b.roundup_power2_divisions(parse_num(
+                            key,
+                            value,
+                            "a power of two, or [256:1,512:2,>:4]",
+                        )?)
+                    }
+                }
+                other => {
+                    return Err(Error::Config(format!(
+                        "unknown key `{other}`; valid keys: {KEYS}"
+                    )));
+                }
+            };
+        }
+        b.build()
+    }
+
+    /// The divisions that apply to a request of `size` bytes.
+    pub(crate) fn divisions_for(&self, size: usize) -> usize {
+        let log = usize::BITS as usize - 1 - size.max(1).leading_zeros() as usize;
+        let index = log.saturating_sub(20).min(POWER2_INTERVALS - 1);
+        self.roundup_power2_divisions[index]
+    }
+}
+
+/// Builds a [`Config`], checking every value at [`build`](ConfigBuilder::build).
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct ConfigBuilder {
+    config: Config,
+    error: Option<Error>,
+}
+
+impl ConfigBuilder {
+    fn fail(mut self, msg: String) -> Self {
+        self.error.get_or_insert(Error::Config(msg));
+        self
+    }
+
+    /// Blocks of `mb` MiB or more are never split. Must be above 20.
+    pub fn max_split_size_mb(mut self, mb: usize) -> Self {
+        if mb <= LARGE_BUFFER / MIB {
+            return self.fail(format!(
+                "max_split_size_mb must be above {} (got {mb})",
+                LARGE_BUFFER / MIB
+            ));
+        }
+        self.config.max_split_size = mb.saturating_mul(MIB);
+        self
+    }
+
+    /// Collect cached segments once reserved memory passes this fraction of the limit.
+    pub fn garbage_collection_threshold(mut self, t: f64) -> Self {
+        if !(t > 0.0 && t < 1.0) {
+            return self.fail(format!(
+                "garbage_collection_threshold must be between 0.0 and 1.0, exclusive (got {t})"
+            ));
+        }
+        self.config.garbage_collection_threshold = t;
+        self
+    }
+
+    /// The same number of round-up divisions for every size.
+    pub fn roundup_power2_divisions(self, divisions: usize) -> Self {
+        self.roundup_power2_divisions_per_interval(vec![(None, divisions)])
+    }
+
+    /// Divisions per interval: `(Some(start_mib), d)` sets the power-of-two interval starting at
+    /// `start_mib` MiB and the ones after it up to the next entry; `(None, d)` (PyTorch's `>`) sets
+    /// every interval no entry covers: those below the first entry, and those after the last
+    /// entry's own interval.
+    pub fn roundup_power2_divisions_per_interval(
+        mut self,
+        entries: Vec<(Option<usize>, usize)>,
+    ) -> Self {
+        let mut explicit = Vec::new();
+        let mut rest = None;
+        for (start, d) in entries {
+            if d > 1 && !d.is_power_of_two() {
+                return self.fail(format!(
+                    "roundup_power2_divisions must be a power of two (got {d})"
+                ));
+            }
+            match start {
+                Some(mb) if !mb.is_power_of_two() => {
+                    return self.fail(format!(
+                        "roundup_power2_divisions interval start must be a power of two in MiB (got {mb})"
+                    ));
+                }
+                Some(mb) => {
+                    explicit.push(((mb.trailing_zeros() as usize).min(POWER2_INTERVALS - 1), d))
+                }
+                None => rest = Some(d),
+            }
+        }
+        explicit.sort_unstable();
+        let last = explicit.last().map(|e| e.0);
+        for (i, slot) in self.config.roundup_power2_divisions.iter_mut().enumerate() {
+            *slot = match explicit.iter().rev().find(|e| e.0 <= i) {
+                Some(&(start, d)) if Some(start) != last || i == start || rest.is_none() => d,
+                _ => rest.unwrap_or(0),
+            };
+        }
+        self
+    }
+
+    /// The fraction of the device's total memory the allocator may reserve.
+    pub fn memory_fraction(mut self, f: f64) -> Self {
+        if !(f > 0.0 && f <= 1.0) {
+            return self.fail(format!("memory_fraction must be in (0.0, 1.0] (got {f})"));
+        }
+        self.config.memory_fraction = f;
+        self
+    }
+
+    /// The checked config, or the first error met.
+    pub fn build(self) -> Result<Config> {
+        match self.error {
+            Some(e) => Err(e),
+            None => Ok(self.config),
+        }
+    }
+}
+
+fn parse_num<T: std::str::FromStr>(key: &str, value: &str, expected: &str) -> Result<T> {
+    value.parse().map_err(|_| {
+        Error::Config(format!(
+            "bad value `{value}` for `{key}`: expected {expected}"
+        ))
+    })
+}
+
+/// Splits on commas that are not inside `[...]`.
+fn split_top_level(s: &str) -> Vec<&str> {
+    let (mut out, mut depth, mut start) = (Vec::new(), 0i32, 0);
+    for (i, c) in s.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth -= 1,
+            ',' if depth == 0 => {
+                out.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&s[start..]);
+    out
+}
+
+fn parse_intervals(value: &str) -> Result<Vec<(Option<usize>, usize)>> {
+    let key = "roundup_power2_divisions";
+    let inner = value
+        .strip_prefix('[')
+        .and_then(|v| v.strip_suffix(']'))
+        .ok_or_else(|| {
+            Error::Config(format!(
+                "bad value `{value}` for `{key}`: unbalanced brackets"
+            ))
+        })?;
+    inner
+        .split(',')
+        .map(|entry| {
+            let (start, d) = entry.split_once(':').ok_or_else(|| {
+                Error::Config(format!("bad value `{value}` for `{key}`: `{entry}` is not `<MiB>:<divisions>` or `>:<divisions>`"))
+            })?;
+            let d = parse_num(key, d.trim(), "a power of two")?;
+            let start = match start.trim() {
+                ">" => None,
+                mb => Some(parse_num(key, mb, "an interval start in MiB, or `>`")?),
+            };
+            Ok((start, d))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_all_keys() {
+        let c = Config::parse(
+            "max_split_size_mb:256, garbage_collection_threshold:0.8,roundup_power2_divisions:4",
+        )
+        .unwrap();
+        assert_eq!(c.max_split_size, 256 << 20);
+        assert_eq!(c.garbage_collection_threshold, 0.8);
+        assert_eq!(c.roundup_power2_divisions, [4; POWER2_INTERVALS]);
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn interval_form() {
+        let c = Config::parse("roundup_power2_divisions:[1:2,256:8,>:1]").unwrap();
+        assert_eq!(c.divisions_for(512), 2); // below 1 MiB: first interval
+        assert_eq!(c.divisions_for(3 << 20), 2);
+        assert_eq!(c.divisions_for(300 << 20), 8);
+        assert_eq!(c.divisions_for(1 << 40), 1); // after the last entry's interval: `>`
+        let c = Config::parse("roundup_power2_divisions:[256:4,>:2]").unwrap();
+        assert_eq!(c.divisions_for(1 << 20), 2);
+        assert_eq!(c.divisions_for(256 << 20), 4);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_valid_ones() {
+        let e = Config::parse("max_split_mb:256").unwrap_err().to_string();
+        assert!(e.contains("unknown key `max_split_mb`"), "{e}");
+        assert!(
+            e.contains("max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions"),
+            "{e}"
+        );
+        let e = Config::parse("max_split_size_mb:lots")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`lots`") && e.contains("max_split_size_mb"),
+            "{e}"
+        );
+        let e = Config::parse("max_split_size_mb:16")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("above 20"), "{e}");
+        let e = Config::parse("garbage_collection_threshold:1.5")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("garbage_collection_threshold"), "{e}");
+        let e = Config::parse("roundup_power2_divisions:3")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("power of two"), "{e}");
+        let e = Config::parse("roundup_power2_divisions:[1:2")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("roundup_power2_divisions"), "{e}");
+        let e = Config::parse("max_split_size_mb").unwrap_err().to_string();
+        assert!(e.contains("key:value"), "{e}");
+    }
+}

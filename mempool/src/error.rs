@@ -1,0 +1,162 @@
+//! The crate's one error type.
+
+use std::fmt;
+
+use crate::format::bytes;
+
+/// Everything that can go wrong in mempool. Messages say what happened and what to do next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// The device could not supply the memory, even after the cache was emptied.
+    OutOfMemory(Box<OomReport>),
+    /// A pointer handed to [`free_bytes`](crate::Allocator::free_bytes) that this allocator did
+    /// not hand out through `alloc_bytes`, or that was already freed. Nothing was changed.
+    InvalidFree {
+        /// The pointer that was passed.
+        ptr: u64,
+        /// The allocator's device.
+        device: usize,
+    },
+    /// `len * size_of::<T>()` does not fit in `usize`.
+    SizeOverflow {
+        /// Elements requested.
+        len: usize,
+        /// Size of one element.
+        elem_size: usize,
+    },
+    /// A device index that does not exist.
+    InvalidDevice {
+        /// The index that was asked for.
+        device: usize,
+        /// How many devices there are.
+        count: usize,
+    },
+    /// No CUDA driver could be loaded on this machine.
+    NoCudaDriver,
+    /// A stream that belongs to another device than the allocator's.
+    WrongDevice {
+        /// What was being done.
+        what: &'static str,
+        /// The allocator's device.
+        expected: usize,
+        /// The stream's device.
+        found: usize,
+    },
+    /// A bad `MEMPOOL_ALLOC_CONF` entry or builder value.
+    Config(String),
+    /// The driver (or a backend) reported an error.
+    Backend {
+        /// What mempool was doing.
+        op: &'static str,
+        /// The backend's own message.
+        message: String,
+    },
+}
+
+/// The figures behind an out-of-memory error, in the manner of PyTorch's message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OomReport {
+    /// The device index.
+    pub device: usize,
+    /// The backend kind (`cuda`, `host`, `sim`).
+    pub backend: &'static str,
+    /// The bytes the caller asked for.
+    pub requested: usize,
+    /// The device's total capacity, if the backend knows it.
+    pub device_total: Option<usize>,
+    /// The device's free memory at the time of the failure, if the backend knows it.
+    pub device_free: Option<usize>,
+    /// Bytes handed out by this allocator and not yet freed.
+    pub allocated: usize,
+    /// Bytes this allocator holds from the device (allocated or cached).
+    pub reserved: usize,
+    /// The configured memory-fraction limit, if one is set.
+    pub limit: Option<usize>,
+}
+
+impl fmt::Display for OomReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} out of memory. Tried to allocate {}.",
+            self.backend,
+            bytes(self.requested)
+        )?;
+        match (self.device_total, self.device_free) {
+            (Some(t), Some(fr)) => write!(
+                f,
+                " Device {} has a total capacity of {} of which {} is free.",
+                self.device,
+                bytes(t),
+                bytes(fr)
+            )?,
+            (Some(t), None) => write!(
+                f,
+                " Device {} has a total capacity of {}.",
+                self.device,
+                bytes(t)
+            )?,
+            _ => write!(f, " Device {}.", self.device)?,
+        }
+        if let Some(limit) = self.limit {
+            write!(
+                f,
+                " This allocator is limited to {} (memory fraction).",
+                bytes(limit)
+            )?;
+        }
+        let cached = self.reserved.saturating_sub(self.allocated);
+        write!(
+            f,
+            " Of the memory in use, {} is allocated by mempool, and {} is reserved by mempool but unallocated.",
+            bytes(self.allocated),
+            bytes(cached)
+        )?;
+        write!(f, " Free buffers you no longer need")?;
+        if cached > self.requested / 4 && cached > 0 {
+            write!(
+                f,
+                "; reserved but unallocated memory is large, so try MEMPOOL_ALLOC_CONF=max_split_size_mb:<n> to reduce fragmentation"
+            )?;
+        }
+        write!(f, ", or use a smaller batch.")
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::OutOfMemory(r) => r.fmt(f),
+            Error::InvalidFree { ptr, device } => write!(
+                f,
+                "invalid free of {ptr:#x} on device {device}: not a live allocation of this allocator's \
+                 alloc_bytes (a foreign pointer, or one already freed); nothing was changed"
+            ),
+            Error::SizeOverflow { len, elem_size } => write!(
+                f,
+                "allocation of {len} elements of {elem_size} bytes overflows usize"
+            ),
+            Error::InvalidDevice { device, count } => write!(
+                f,
+                "device {device} does not exist: this machine has {count} CUDA device(s) (valid: 0..{count})"
+            ),
+            Error::NoCudaDriver => write!(
+                f,
+                "no CUDA driver: libcuda.so could not be loaded; install the NVIDIA driver, or use the host \
+                 or sim backend (Allocator::host(), Allocator::sim(..))"
+            ),
+            Error::WrongDevice { what, expected, found } => write!(
+                f,
+                "{what}: the stream belongs to device {found}, but the allocator is on device {expected}"
+            ),
+            Error::Config(msg) => write!(f, "invalid allocator config: {msg}"),
+            Error::Backend { op, message } => write!(f, "{op} failed: {message}"),
+        }
+    }
+}
+
+impl std::error::Error for Error {}
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -1,0 +1,115 @@
+//! # mempool
+//!
+//! A caching device allocator for Rust GPU programs (cudarc underneath), with the behaviour
+//! PyTorch users know from `torch.cuda`'s CUDACachingAllocator: sizes rounded to 512 B, small
+//! requests from 2 MiB segments, best-fit reuse per stream, splitting and merging, cross-stream
+//! frees deferred until the other streams are done, an out-of-memory path that empties the cache
+//! and retries, `memory_stats`, `memory_summary`, `empty_cache`.
+//!
+//! ```no_run
+//! // GPU 0's process-wide allocator; allocations are cached and reused.
+//! let a = mempool::alloc::<f32>(1 << 20)?;     // on the current device and stream
+//! let first = a.device_ptr_raw();
+//! drop(a);
+//! let b = mempool::alloc::<f32>(1 << 20)?;     // same block, no cuMemAlloc
+//! assert_eq!(b.device_ptr_raw(), first);
+//! println!("{}", mempool::memory_summary(0)?);
+//! # Ok::<(), mempool::Error>(())
+//! ```
+//!
+//! The same algorithm runs over any [`Backend`]: CUDA, host memory, or the deterministic
+//! simulated device of [`sim`], which is how it is tested everywhere without a GPU.
+//!
+//! | module | what |
+//! | --- | --- |
+//! | [`backend`] | the device boundary: [`Backend`] and its `cuda`, `host`, `sim` implementations |
+//! | `caching` | the algorithm (private): blocks, segments, free sets, splitting, merging |
+//! | [`Allocator`] | one device's allocator handle; [`Buffer`] owns one block |
+//! | [`stream`] | the current stream per device per thread, and [`StreamGuard`] |
+//! | [`config`] | `MEMPOOL_ALLOC_CONF` and [`Config`] |
+//! | [`stats`] | [`MemoryStats`] and the summary table |
+//! | [`snapshot`] | segments and blocks as they are now |
+
+pub mod allocator;
+pub mod backend;
+pub mod buffer;
+mod caching;
+pub mod config;
+pub mod error;
+pub mod format;
+pub mod snapshot;
+pub mod stats;
+pub mod stream;
+
+pub use allocator::{Allocator, Cuda, Host, Kind, Sim};
+pub use backend::{sim, Backend, BackendError, EventId, StreamId};
+pub use buffer::Buffer;
+pub use caching::PoolId;
+pub use config::Config;
+pub use error::{Error, OomReport, Result};
+pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
+pub use stats::{MemoryStats, Stat, StatArray};
+pub use stream::StreamGuard;
+
+use std::cell::Cell;
+
+thread_local! {
+    static DEVICE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// This thread's current CUDA device (0 unless [`set_device`] said otherwise).
+pub fn current_device() -> usize {
+    DEVICE.with(Cell::get)
+}
+
+/// Sets this thread's current CUDA device. Errors if it does not exist.
+pub fn set_device(device: usize) -> Result<()> {
+    let count = backend::cuda::device_count()?;
+    if device >= count {
+        return Err(Error::InvalidDevice { device, count });
+    }
+    DEVICE.with(|d| d.set(device));
+    Ok(())
+}
+
+/// The number of CUDA devices ([`Error::NoCudaDriver`] without a driver).
+pub fn device_count() -> Result<usize> {
+    backend::cuda::device_count()
+}
+
+/// `len` elements of `T` on the current device and stream.
+pub fn alloc<T>(len: usize) -> Result<Buffer<T>> {
+    Allocator::cuda(current_device())?.alloc(len)
+}
+
+/// `len` zeroed elements of `T` on the current device and stream.
+pub fn alloc_zeros<T>(len: usize) -> Result<Buffer<T>> {
+    Allocator::cuda(current_device())?.alloc_zeros(len)
+}
+
+/// Gives every wholly free cached segment of every CUDA device back to the driver.
+pub fn empty_cache() -> Result<()> {
+    let mut first = Ok(());
+    for a in Allocator::created() {
+        if let Err(e) = a.empty_cache() {
+            first = first.and(Err(e));
+        }
+    }
+    first
+}
+
+/// The statistics of a CUDA device's allocator.
+pub fn memory_stats(device: usize) -> Result<MemoryStats> {
+    Ok(Allocator::cuda(device)?.memory_stats())
+}
+
+/// The summary table of a CUDA device's allocator.
+pub fn memory_summary(device: usize) -> Result<String> {
+    Ok(Allocator::cuda(device)?.memory_summary())
+}
+
+/// Resets the peaks of a CUDA device's statistics.
+pub fn reset_peak_stats(device: usize) -> Result<()> {
+    Allocator::cuda(device)?.reset_peak_stats();
+    Ok(())
+}

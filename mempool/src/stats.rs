@@ -1,0 +1,252 @@
+//! Memory statistics, with the names and meaning of `torch.cuda.memory_stats()`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::format::bytes;
+
+/// One statistic: its current value, peak, and the totals of increases and decreases.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stat {
+    /// The value now.
+    pub current: i64,
+    /// The highest value since creation or the last [`reset_peak_stats`](crate::Allocator::reset_peak_stats).
+    pub peak: i64,
+    /// Sum of all increases.
+    pub allocated: u64,
+    /// Sum of all decreases.
+    pub freed: u64,
+}
+
+impl Stat {
+    #[inline]
+    pub(crate) fn add(&mut self, n: usize) {
+        self.current += n as i64;
+        self.allocated += n as u64;
+        if self.current > self.peak {
+            self.peak = self.current;
+        }
+    }
+
+    #[inline]
+    pub(crate) fn sub(&mut self, n: usize) {
+        self.current -= n as i64;
+        self.freed += n as u64;
+    }
+
+    fn reset_peak(&mut self) {
+        self.peak = self.current;
+    }
+}
+
+/// A statistic for all blocks, and split by the pool kind (small: blocks ≤ 1 MiB, large: the rest).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatArray {
+    /// Every block.
+    pub all: Stat,
+    /// Blocks of small segments.
+    pub small_pool: Stat,
+    /// Blocks of large segments.
+    pub large_pool: Stat,
+}
+
+impl StatArray {
+    #[inline]
+    pub(crate) fn add(&mut self, small: bool, n: usize) {
+        self.all.add(n);
+        if small {
+            self.small_pool.add(n)
+        } else {
+            self.large_pool.add(n)
+        }
+    }
+
+    #[inline]
+    pub(crate) fn sub(&mut self, small: bool, n: usize) {
+        self.all.sub(n);
+        if small {
+            self.small_pool.sub(n)
+        } else {
+            self.large_pool.sub(n)
+        }
+    }
+
+    fn reset_peak(&mut self) {
+        self.all.reset_peak();
+        self.small_pool.reset_peak();
+        self.large_pool.reset_peak();
+    }
+}
+
+/// What `memory_stats()` returns. Field names follow PyTorch's keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Number of allocated blocks.
+    pub allocation: StatArray,
+    /// Number of segments.
+    pub segment: StatArray,
+    /// Number of active blocks (allocated, or freed but awaiting other streams).
+    pub active: StatArray,
+    /// Number of free blocks inside segments that are split.
+    pub inactive_split: StatArray,
+    /// Bytes in allocated blocks.
+    pub allocated_bytes: StatArray,
+    /// Bytes of all segments (reserved from the device).
+    pub reserved_bytes: StatArray,
+    /// Bytes in active blocks.
+    pub active_bytes: StatArray,
+    /// Bytes in free blocks of split segments (memory that cannot be given back).
+    pub inactive_split_bytes: StatArray,
+    /// Bytes the callers asked for, before rounding.
+    pub requested_bytes: StatArray,
+    /// Allocations that failed once and succeeded after the cache was emptied.
+    pub num_alloc_retries: u64,
+    /// Allocations that failed with out-of-memory.
+    pub num_ooms: u64,
+    /// Times every pending event was waited for (empty_cache, OOM recovery).
+    pub num_sync_all_streams: u64,
+    /// Segments allocated from the device.
+    pub num_device_alloc: u64,
+    /// Segments given back to the device.
+    pub num_device_free: u64,
+    /// Allocated blocks of `max_split_size` or more.
+    pub oversize_allocations: Stat,
+    /// Segments of `max_split_size` or more.
+    pub oversize_segments: Stat,
+    /// The configured `max_split_size` (bytes; `usize::MAX`: none).
+    pub max_split_size: usize,
+}
+
+impl MemoryStats {
+    pub(crate) fn reset_peak(&mut self) {
+        for a in [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ] {
+            a.reset_peak();
+        }
+        self.oversize_allocations.reset_peak();
+        self.oversize_segments.reset_peak();
+    }
+
+    /// The stats as PyTorch's flat dictionary: `"allocated_bytes.all.current"` and so on.
+    pub fn as_map(&self) -> BTreeMap<String, i64> {
+        let mut m = BTreeMap::new();
+        let mut stat = |name: &str, s: &Stat| {
+            m.insert(format!("{name}.current"), s.current);
+            m.insert(format!("{name}.peak"), s.peak);
+            m.insert(format!("{name}.allocated"), s.allocated as i64);
+            m.insert(format!("{name}.freed"), s.freed as i64);
+        };
+        for (name, a) in self.arrays() {
+            stat(&format!("{name}.all"), &a.all);
+            stat(&format!("{name}.small_pool"), &a.small_pool);
+            stat(&format!("{name}.large_pool"), &a.large_pool);
+        }
+        stat("oversize_allocations", &self.oversize_allocations);
+        stat("oversize_segments", &self.oversize_segments);
+        m.insert("num_alloc_retries".into(), self.num_alloc_retries as i64);
+        m.insert("num_ooms".into(), self.num_ooms as i64);
+        m.insert(
+            "num_sync_all_streams".into(),
+            self.num_sync_all_streams as i64,
+        );
+        m.insert("num_device_alloc".into(), self.num_device_alloc as i64);
+        m.insert("num_device_free".into(), self.num_device_free as i64);
+        m.insert(
+            "max_split_size".into(),
+            self.max_split_size.min(i64::MAX as usize) as i64,
+        );
+        m
+    }
+
+    fn arrays(&self) -> [(&'static str, &StatArray); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
+    /// A table in the manner of `torch.cuda.memory_summary()`.
+    pub fn summary(&self, title: &str) -> String {
+        const W: usize = 75;
+        let mut s = String::new();
+        let rule = |s: &mut String, c: char| {
+            let _ = writeln!(s, "|{}|", c.to_string().repeat(W));
+        };
+        rule(&mut s, '=');
+        let _ = writeln!(s, "|{:^W$}|", title);
+        rule(&mut s, '-');
+        let left = format!("OOMs: {}", self.num_ooms);
+        let right = format!("alloc retries: {}", self.num_alloc_retries);
+        let _ = writeln!(s, "|{:^37}|{:^37}|", left, right);
+        rule(&mut s, '=');
+        let _ = writeln!(
+            s,
+            "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
+            "Metric", "Cur Usage", "Peak Usage", "Tot Alloc", "Tot Freed"
+        );
+        let groups: [(&str, &StatArray, bool); 8] = [
+            ("Allocated memory", &self.allocated_bytes, true),
+            ("Active memory", &self.active_bytes, true),
+            ("Requested memory", &self.requested_bytes, true),
+            ("Reserved memory", &self.reserved_bytes, true),
+            ("Non-releasable memory", &self.inactive_split_bytes, true),
+            ("Allocations", &self.allocation, false),
+            ("Active allocs", &self.active, false),
+            ("Reserved segments", &self.segment, false),
+        ];
+        let cell = |v: i64, is_bytes: bool| {
+            if is_bytes {
+                bytes(v.max(0) as u64).to_string()
+            } else {
+                v.to_string()
+            }
+        };
+        for (name, a, is_bytes) in groups {
+            rule(&mut s, '-');
+            for (label, st) in [
+                (name, &a.all),
+                ("      from large pool", &a.large_pool),
+                ("      from small pool", &a.small_pool),
+            ] {
+                let _ = writeln!(
+                    s,
+                    "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
+                    label,
+                    cell(st.current, is_bytes),
+                    cell(st.peak, is_bytes),
+                    cell(st.allocated as i64, is_bytes),
+                    cell(st.freed as i64, is_bytes)
+                );
+            }
+        }
+        rule(&mut s, '-');
+        for (label, st) in [
+            ("Oversize allocations", &self.oversize_allocations),
+            ("Oversize segments", &self.oversize_segments),
+        ] {
+            let _ = writeln!(
+                s,
+                "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
+                label, st.current, st.peak, st.allocated, st.freed
+            );
+        }
+        rule(&mut s, '=');
+        s
+    }
+}

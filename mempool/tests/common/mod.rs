@@ -1,0 +1,168 @@
+//! Shared checks for the sim-backed tests.
+#![allow(dead_code)]
+
+use mempool::sim::SimDevice;
+use mempool::{Allocator, BlockState, Kind, MemoryStats, Snapshot, StatArray};
+
+/// xorshift64, as in the anchors' workloads.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    /// Log-uniform size between 1 byte and `1 << max_log2` bytes.
+    pub fn size(&mut self, max_log2: u32) -> usize {
+        let lo = 1usize << self.below(u64::from(max_log2));
+        lo + self.below(lo as u64) as usize
+    }
+}
+
+/// Every structural invariant of a snapshot, and every statistic recomputed from it.
+pub fn check_invariants<K: Kind>(alloc: &Allocator<K>, sim: Option<&SimDevice>) {
+    let snap = alloc.snapshot();
+    let stats = alloc.memory_stats();
+    check_snapshot(&snap);
+    if let Some(sim) = sim {
+        let segs: Vec<(u64, usize)> = snap
+            .segments
+            .iter()
+            .map(|s| (s.address, s.total_size))
+            .collect();
+        assert_eq!(
+            segs,
+            sim.live_segments(),
+            "allocator segments differ from the device's"
+        );
+    }
+    check_stats(&snap, &stats);
+}
+
+pub fn check_snapshot(snap: &Snapshot) {
+    let mut last_end = 0u64;
+    for s in &snap.segments {
+        assert!(
+            s.address >= last_end,
+            "segments overlap at {:#x}",
+            s.address
+        );
+        last_end = s.address + s.total_size as u64;
+        assert!(!s.blocks.is_empty());
+        let mut at = s.address;
+        let mut prev_free = false;
+        for b in &s.blocks {
+            assert_eq!(
+                b.address, at,
+                "blocks of segment {:#x} do not tile it",
+                s.address
+            );
+            assert!(b.size >= 512 && b.size % 512 == 0, "block size {}", b.size);
+            at += b.size as u64;
+            let free = b.state == BlockState::Free;
+            assert!(
+                !(free && prev_free),
+                "two adjacent free blocks at {:#x}: missed merge",
+                b.address
+            );
+            prev_free = free;
+            if b.state == BlockState::Allocated {
+                assert!(b.requested_size <= b.size);
+            }
+        }
+        assert_eq!(
+            at,
+            s.address + s.total_size as u64,
+            "blocks do not cover segment {:#x}",
+            s.address
+        );
+    }
+}
+
+fn current(a: &StatArray) -> (i64, i64, i64) {
+    (a.all.current, a.small_pool.current, a.large_pool.current)
+}
+
+pub fn check_stats(snap: &Snapshot, stats: &MemoryStats) {
+    let mut want: [(i64, i64, i64); 9] = Default::default();
+    let add = |t: &mut (i64, i64, i64), small: bool, n: usize| {
+        t.0 += n as i64;
+        if small {
+            t.1 += n as i64
+        } else {
+            t.2 += n as i64
+        }
+    };
+    for s in &snap.segments {
+        add(&mut want[0], s.is_small, 1);
+        add(&mut want[1], s.is_small, s.total_size);
+        let split = s.blocks.len() > 1;
+        for b in &s.blocks {
+            match b.state {
+                BlockState::Allocated => {
+                    add(&mut want[2], s.is_small, 1);
+                    add(&mut want[3], s.is_small, b.size);
+                    add(&mut want[4], s.is_small, b.requested_size);
+                    add(&mut want[5], s.is_small, 1);
+                    add(&mut want[6], s.is_small, b.size);
+                }
+                BlockState::AwaitingStreams => {
+                    add(&mut want[5], s.is_small, 1);
+                    add(&mut want[6], s.is_small, b.size);
+                }
+                BlockState::Free => {
+                    if split {
+                        add(&mut want[7], s.is_small, 1);
+                        add(&mut want[8], s.is_small, b.size);
+                    }
+                }
+            }
+        }
+    }
+    let got = [
+        current(&stats.segment),
+        current(&stats.reserved_bytes),
+        current(&stats.allocation),
+        current(&stats.allocated_bytes),
+        current(&stats.requested_bytes),
+        current(&stats.active),
+        current(&stats.active_bytes),
+        current(&stats.inactive_split),
+        current(&stats.inactive_split_bytes),
+    ];
+    let names = [
+        "segment",
+        "reserved_bytes",
+        "allocation",
+        "allocated_bytes",
+        "requested_bytes",
+        "active",
+        "active_bytes",
+        "inactive_split",
+        "inactive_split_bytes",
+    ];
+    for i in 0..9 {
+        assert_eq!(
+            got[i], want[i],
+            "stat {} (all, small, large) differs from the block table",
+            names[i]
+        );
+    }
+    for a in [
+        &stats.segment,
+        &stats.reserved_bytes,
+        &stats.allocation,
+        &stats.allocated_bytes,
+        &stats.active_bytes,
+    ] {
+        assert!(a.all.peak >= a.all.current);
+        assert_eq!(a.all.allocated as i64 - a.all.freed as i64, a.all.current);
+    }
+}
