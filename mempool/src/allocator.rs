@@ -114,9 +114,7 @@ pub struct Allocator<K: Kind = Cuda> {
 
 impl<K: Kind> Clone for Allocator<K> {
     fn clone(&self) -> Self {
-        Allocator {
-            shared: self.shared.clone(),
-        }
+        Allocator { shared: self.shared.clone() }
     }
 }
 
@@ -163,10 +161,7 @@ impl Allocator<Cuda> {
     /// `MEMPOOL_ALLOC_CONF`.
     pub fn cuda(ordinal: usize) -> Result<Allocator<Cuda>> {
         let slots = cuda_slots()?;
-        let slot = slots.get(ordinal).ok_or(Error::InvalidDevice {
-            device: ordinal,
-            count: slots.len(),
-        })?;
+        let slot = slots.get(ordinal).ok_or(Error::InvalidDevice { device: ordinal, count: slots.len() })?;
         let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(a) = &*slot {
             return Ok(a.clone());
@@ -181,10 +176,7 @@ impl Allocator<Cuda> {
     /// The allocators created so far, in device order.
     pub(crate) fn created() -> Vec<Allocator<Cuda>> {
         match cuda_slots() {
-            Ok(slots) => slots
-                .iter()
-                .filter_map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone())
-                .collect(),
+            Ok(slots) => slots.iter().filter_map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect(),
             Err(_) => Vec::new(),
         }
     }
@@ -246,11 +238,7 @@ impl<K: Kind> Allocator<K> {
     pub(crate) fn check_device(&self, stream: &K::Stream, what: &'static str) -> Result<()> {
         let found = K::stream_device(stream, self.shared.device);
         if found != self.shared.device {
-            return Err(Error::WrongDevice {
-                what,
-                expected: self.shared.device,
-                found,
-            });
+            return Err(Error::WrongDevice { what, expected: self.shared.device, found });
         }
         Ok(())
     }
@@ -270,28 +258,19 @@ impl<K: Kind> Allocator<K> {
                 .core
                 .backend()
                 .zero(b.device_ptr_raw(), b.num_bytes(), stream)
-                .map_err(|e| Error::Backend {
-                    op: "zero fill",
-                    message: e.to_string(),
-                })?;
+                .map_err(|e| Error::Backend { op: "zero fill", message: e.to_string() })?;
         }
         Ok(b)
     }
 
     pub(crate) fn alloc_in<T>(&self, len: usize, pool: PoolId) -> Result<Buffer<T, K>> {
         let elem = std::mem::size_of::<T>();
-        let bytes = len.checked_mul(elem).ok_or(Error::SizeOverflow {
-            len,
-            elem_size: elem,
-        })?;
+        let bytes = len.checked_mul(elem).ok_or(Error::SizeOverflow { len, elem_size: elem })?;
         let stream = self.current_stream();
         if bytes == 0 {
             return Ok(Buffer::empty(self.shared.clone(), len, stream));
         }
-        let a = self
-            .shared
-            .core
-            .malloc(bytes, K::stream_id(&stream), pool)?;
+        let a = self.shared.core.malloc(bytes, K::stream_id(&stream), pool)?;
         Ok(Buffer::new(self.shared.clone(), a, len, stream))
     }
 
@@ -299,9 +278,7 @@ impl<K: Kind> Allocator<K> {
     /// [`free_bytes`](Self::free_bytes). `size == 0` returns 0.
     pub fn alloc_bytes(&self, size: usize) -> Result<u64> {
         let stream = self.current_stream();
-        self.shared
-            .core
-            .malloc_raw(size, K::stream_id(&stream), PoolId::DEFAULT)
+        self.shared.core.malloc_raw(size, K::stream_id(&stream), PoolId::DEFAULT)
     }
 
     /// Gives back an address from [`alloc_bytes`](Self::alloc_bytes). A foreign or already freed
@@ -314,10 +291,7 @@ impl<K: Kind> Allocator<K> {
     /// only after the work queued on `stream` until then has completed.
     pub fn record_stream_bytes(&self, ptr: u64, stream: &K::Stream) -> Result<()> {
         self.check_device(stream, "record_stream_bytes")?;
-        let block = self.shared.core.raw_block(ptr).ok_or(Error::InvalidFree {
-            ptr,
-            device: self.shared.device,
-        })?;
+        let block = self.shared.core.raw_block(ptr).ok_or(Error::InvalidFree { ptr, device: self.shared.device })?;
         self.shared.core.record_stream(block, K::stream_id(stream));
         Ok(())
     }
@@ -340,11 +314,7 @@ impl<K: Kind> Allocator<K> {
 
     /// A table of the statistics (`torch.cuda.memory_summary()`).
     pub fn memory_summary(&self) -> String {
-        let title = format!(
-            "mempool {} memory summary, device {}",
-            self.backend_kind(),
-            self.device()
-        );
+        let title = format!("mempool {} memory summary, device {}", self.backend_kind(), self.device());
         self.memory_stats().summary(&title)
     }
 

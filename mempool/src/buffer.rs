@@ -40,31 +40,12 @@ pub struct Buffer<T, K: Kind = Cuda> {
 }
 
 impl<T, K: Kind> Buffer<T, K> {
-    pub(crate) fn new(
-        shared: Arc<Shared<K>>,
-        a: Allocation,
-        len: usize,
-        stream: K::Stream,
-    ) -> Self {
-        Buffer {
-            shared,
-            block: a.block,
-            ptr: a.addr,
-            len,
-            stream,
-            _elem: PhantomData,
-        }
+    pub(crate) fn new(shared: Arc<Shared<K>>, a: Allocation, len: usize, stream: K::Stream) -> Self {
+        Buffer { shared, block: a.block, ptr: a.addr, len, stream, _elem: PhantomData }
     }
 
     pub(crate) fn empty(shared: Arc<Shared<K>>, len: usize, stream: K::Stream) -> Self {
-        Buffer {
-            shared,
-            block: NO_BLOCK,
-            ptr: 0,
-            len,
-            stream,
-            _elem: PhantomData,
-        }
+        Buffer { shared, block: NO_BLOCK, ptr: 0, len, stream, _elem: PhantomData }
     }
 
     /// Number of elements.
@@ -107,11 +88,7 @@ impl<T, K: Kind> Buffer<T, K> {
     pub fn record_stream(&self, stream: &K::Stream) -> Result<()> {
         let found = K::stream_device(stream, self.shared.device);
         if found != self.shared.device {
-            return Err(crate::Error::WrongDevice {
-                what: "record_stream",
-                expected: self.shared.device,
-                found,
-            });
+            return Err(crate::Error::WrongDevice { what: "record_stream", expected: self.shared.device, found });
         }
         self.note_use(K::stream_id(stream));
         Ok(())
@@ -145,9 +122,7 @@ impl<T, K: Kind> fmt::Debug for Buffer<T, K> {
 
 impl<T> Buffer<T, Cuda> {
     fn use_on(&self, stream: &CudaStream) {
-        if stream.cu_stream() != self.stream.cu_stream()
-            && stream.context().ordinal() == self.shared.device
-        {
+        if stream.cu_stream() != self.stream.cu_stream() && stream.context().ordinal() == self.shared.device {
             self.note_use(crate::StreamId(stream.cu_stream() as u64));
         }
     }
@@ -164,20 +139,14 @@ impl<T> DeviceSlice<T> for Buffer<T, Cuda> {
 }
 
 impl<T> DevicePtr<T> for Buffer<T, Cuda> {
-    fn device_ptr<'a>(
-        &'a self,
-        stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
         self.use_on(stream);
         (self.ptr, SyncOnDrop::Sync(None))
     }
 }
 
 impl<T> DevicePtrMut<T> for Buffer<T, Cuda> {
-    fn device_ptr_mut<'a>(
-        &'a mut self,
-        stream: &'a CudaStream,
-    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
         self.use_on(stream);
         (self.ptr, SyncOnDrop::Sync(None))
     }

@@ -56,10 +56,7 @@ impl Default for Config {
 impl Config {
     /// A builder starting from the defaults.
     pub fn builder() -> ConfigBuilder {
-        ConfigBuilder {
-            config: Config::default(),
-            error: None,
-        }
+        ConfigBuilder { config: Config::default(), error: None }
     }
 
     /// Reads [`ENV_VAR`]; unset or empty gives the defaults.
@@ -82,34 +79,24 @@ impl Config {
             if item.is_empty() {
                 continue;
             }
-            let (key, value) = item.split_once(':').ok_or_else(|| {
-                Error::Config(format!("`{item}` is not `key:value`; valid keys: {KEYS}"))
-            })?;
+            let (key, value) = item
+                .split_once(':')
+                .ok_or_else(|| Error::Config(format!("`{item}` is not `key:value`; valid keys: {KEYS}")))?;
             let (key, value) = (key.trim(), value.trim());
             b = match key {
-                "max_split_size_mb" => {
-                    b.max_split_size_mb(parse_num(key, value, "an integer number of MiB above 20")?)
+                "max_split_size_mb" => b.max_split_size_mb(parse_num(key, value, "an integer number of MiB above 20")?),
+                "garbage_collection_threshold" => {
+                    b.garbage_collection_threshold(parse_num(key, value, "a number between 0.0 and 1.0")?)
                 }
-                "garbage_collection_threshold" => b.garbage_collection_threshold(parse_num(
-                    key,
-                    value,
-                    "a number between 0.0 and 1.0",
-                )?),
                 "roundup_power2_divisions" => {
                     if value.starts_with('[') {
                         b.roundup_power2_divisions_per_interval(parse_intervals(value)?)
                     } else {
-                        b.roundup_power2_divisions(parse_num(
-                            key,
-                            value,
-                            "a power of two, or [256:1,512:2,>:4]",
-                        )?)
+                        b.roundup_power2_divisions(parse_num(key, value, "a power of two, or [256:1,512:2,>:4]")?)
                     }
                 }
                 other => {
-                    return Err(Error::Config(format!(
-                        "unknown key `{other}`; valid keys: {KEYS}"
-                    )));
+                    return Err(Error::Config(format!("unknown key `{other}`; valid keys: {KEYS}")));
                 }
             };
         }
@@ -141,10 +128,7 @@ impl ConfigBuilder {
     /// Blocks of `mb` MiB or more are never split. Must be above 20.
     pub fn max_split_size_mb(mut self, mb: usize) -> Self {
         if mb <= LARGE_BUFFER / MIB {
-            return self.fail(format!(
-                "max_split_size_mb must be above {} (got {mb})",
-                LARGE_BUFFER / MIB
-            ));
+            return self.fail(format!("max_split_size_mb must be above {} (got {mb})", LARGE_BUFFER / MIB));
         }
         self.config.max_split_size = mb.saturating_mul(MIB);
         self
@@ -153,9 +137,7 @@ impl ConfigBuilder {
     /// Collect cached segments once reserved memory passes this fraction of the limit.
     pub fn garbage_collection_threshold(mut self, t: f64) -> Self {
         if !(t > 0.0 && t < 1.0) {
-            return self.fail(format!(
-                "garbage_collection_threshold must be between 0.0 and 1.0, exclusive (got {t})"
-            ));
+            return self.fail(format!("garbage_collection_threshold must be between 0.0 and 1.0, exclusive (got {t})"));
         }
         self.config.garbage_collection_threshold = t;
         self
@@ -170,17 +152,12 @@ impl ConfigBuilder {
     /// `start_mib` MiB and the ones after it up to the next entry; `(None, d)` (PyTorch's `>`) sets
     /// every interval no entry covers: those below the first entry, and those after the last
     /// entry's own interval.
-    pub fn roundup_power2_divisions_per_interval(
-        mut self,
-        entries: Vec<(Option<usize>, usize)>,
-    ) -> Self {
+    pub fn roundup_power2_divisions_per_interval(mut self, entries: Vec<(Option<usize>, usize)>) -> Self {
         let mut explicit = Vec::new();
         let mut rest = None;
         for (start, d) in entries {
             if d > 1 && !d.is_power_of_two() {
-                return self.fail(format!(
-                    "roundup_power2_divisions must be a power of two (got {d})"
-                ));
+                return self.fail(format!("roundup_power2_divisions must be a power of two (got {d})"));
             }
             match start {
                 Some(mb) if !mb.is_power_of_two() => {
@@ -188,9 +165,7 @@ impl ConfigBuilder {
                         "roundup_power2_divisions interval start must be a power of two in MiB (got {mb})"
                     ));
                 }
-                Some(mb) => {
-                    explicit.push(((mb.trailing_zeros() as usize).min(POWER2_INTERVALS - 1), d))
-                }
+                Some(mb) => explicit.push(((mb.trailing_zeros() as usize).min(POWER2_INTERVALS - 1), d)),
                 None => rest = Some(d),
             }
         }
@@ -224,11 +199,7 @@ impl ConfigBuilder {
 }
 
 fn parse_num<T: std::str::FromStr>(key: &str, value: &str, expected: &str) -> Result<T> {
-    value.parse().map_err(|_| {
-        Error::Config(format!(
-            "bad value `{value}` for `{key}`: expected {expected}"
-        ))
-    })
+    value.parse().map_err(|_| Error::Config(format!("bad value `{value}` for `{key}`: expected {expected}")))
 }
 
 /// Splits on commas that are not inside `[...]`.
@@ -254,16 +225,14 @@ fn parse_intervals(value: &str) -> Result<Vec<(Option<usize>, usize)>> {
     let inner = value
         .strip_prefix('[')
         .and_then(|v| v.strip_suffix(']'))
-        .ok_or_else(|| {
-            Error::Config(format!(
-                "bad value `{value}` for `{key}`: unbalanced brackets"
-            ))
-        })?;
+        .ok_or_else(|| Error::Config(format!("bad value `{value}` for `{key}`: unbalanced brackets")))?;
     inner
         .split(',')
         .map(|entry| {
             let (start, d) = entry.split_once(':').ok_or_else(|| {
-                Error::Config(format!("bad value `{value}` for `{key}`: `{entry}` is not `<MiB>:<divisions>` or `>:<divisions>`"))
+                Error::Config(format!(
+                    "bad value `{value}` for `{key}`: `{entry}` is not `<MiB>:<divisions>` or `>:<divisions>`"
+                ))
             })?;
             let d = parse_num(key, d.trim(), "a power of two")?;
             let start = match start.trim() {
@@ -281,10 +250,8 @@ mod tests {
 
     #[test]
     fn parses_all_keys() {
-        let c = Config::parse(
-            "max_split_size_mb:256, garbage_collection_threshold:0.8,roundup_power2_divisions:4",
-        )
-        .unwrap();
+        let c = Config::parse("max_split_size_mb:256, garbage_collection_threshold:0.8,roundup_power2_divisions:4")
+            .unwrap();
         assert_eq!(c.max_split_size, 256 << 20);
         assert_eq!(c.garbage_collection_threshold, 0.8);
         assert_eq!(c.roundup_power2_divisions, [4; POWER2_INTERVALS]);
@@ -307,32 +274,16 @@ mod tests {
     fn errors_name_the_key_and_valid_ones() {
         let e = Config::parse("max_split_mb:256").unwrap_err().to_string();
         assert!(e.contains("unknown key `max_split_mb`"), "{e}");
-        assert!(
-            e.contains("max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions"),
-            "{e}"
-        );
-        let e = Config::parse("max_split_size_mb:lots")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("`lots`") && e.contains("max_split_size_mb"),
-            "{e}"
-        );
-        let e = Config::parse("max_split_size_mb:16")
-            .unwrap_err()
-            .to_string();
+        assert!(e.contains("max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions"), "{e}");
+        let e = Config::parse("max_split_size_mb:lots").unwrap_err().to_string();
+        assert!(e.contains("`lots`") && e.contains("max_split_size_mb"), "{e}");
+        let e = Config::parse("max_split_size_mb:16").unwrap_err().to_string();
         assert!(e.contains("above 20"), "{e}");
-        let e = Config::parse("garbage_collection_threshold:1.5")
-            .unwrap_err()
-            .to_string();
+        let e = Config::parse("garbage_collection_threshold:1.5").unwrap_err().to_string();
         assert!(e.contains("garbage_collection_threshold"), "{e}");
-        let e = Config::parse("roundup_power2_divisions:3")
-            .unwrap_err()
-            .to_string();
+        let e = Config::parse("roundup_power2_divisions:3").unwrap_err().to_string();
         assert!(e.contains("power of two"), "{e}");
-        let e = Config::parse("roundup_power2_divisions:[1:2")
-            .unwrap_err()
-            .to_string();
+        let e = Config::parse("roundup_power2_divisions:[1:2").unwrap_err().to_string();
         assert!(e.contains("roundup_power2_divisions"), "{e}");
         let e = Config::parse("max_split_size_mb").unwrap_err().to_string();
         assert!(e.contains("key:value"), "{e}");

@@ -77,12 +77,7 @@ pub struct OomReport {
 
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} out of memory. Tried to allocate {}.",
-            self.backend,
-            bytes(self.requested)
-        )?;
+        write!(f, "{} out of memory. Tried to allocate {}.", self.backend, bytes(self.requested))?;
         match (self.device_total, self.device_free) {
             (Some(t), Some(fr)) => write!(
                 f,
@@ -91,20 +86,11 @@ impl fmt::Display for OomReport {
                 bytes(t),
                 bytes(fr)
             )?,
-            (Some(t), None) => write!(
-                f,
-                " Device {} has a total capacity of {}.",
-                self.device,
-                bytes(t)
-            )?,
+            (Some(t), None) => write!(f, " Device {} has a total capacity of {}.", self.device, bytes(t))?,
             _ => write!(f, " Device {}.", self.device)?,
         }
         if let Some(limit) = self.limit {
-            write!(
-                f,
-                " This allocator is limited to {} (memory fraction).",
-                bytes(limit)
-            )?;
+            write!(f, " This allocator is limited to {} (memory fraction).", bytes(limit))?;
         }
         let cached = self.reserved.saturating_sub(self.allocated);
         write!(
@@ -133,23 +119,20 @@ impl fmt::Display for Error {
                 "invalid free of {ptr:#x} on device {device}: not a live allocation of this allocator's \
                  alloc_bytes (a foreign pointer, or one already freed); nothing was changed"
             ),
-            Error::SizeOverflow { len, elem_size } => write!(
-                f,
-                "allocation of {len} elements of {elem_size} bytes overflows usize"
-            ),
-            Error::InvalidDevice { device, count } => write!(
-                f,
-                "device {device} does not exist: this machine has {count} CUDA device(s) (valid: 0..{count})"
-            ),
+            Error::SizeOverflow { len, elem_size } => {
+                write!(f, "allocation of {len} elements of {elem_size} bytes overflows usize")
+            }
+            Error::InvalidDevice { device, count } => {
+                write!(f, "device {device} does not exist: this machine has {count} CUDA device(s) (valid: 0..{count})")
+            }
             Error::NoCudaDriver => write!(
                 f,
                 "no CUDA driver: libcuda.so could not be loaded; install the NVIDIA driver, or use the host \
                  or sim backend (Allocator::host(), Allocator::sim(..))"
             ),
-            Error::WrongDevice { what, expected, found } => write!(
-                f,
-                "{what}: the stream belongs to device {found}, but the allocator is on device {expected}"
-            ),
+            Error::WrongDevice { what, expected, found } => {
+                write!(f, "{what}: the stream belongs to device {found}, but the allocator is on device {expected}")
+            }
             Error::Config(msg) => write!(f, "invalid allocator config: {msg}"),
             Error::Backend { op, message } => write!(f, "{op} failed: {message}"),
         }

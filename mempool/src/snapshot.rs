@@ -48,29 +48,17 @@ pub struct SegmentSnapshot {
 impl SegmentSnapshot {
     /// Bytes in allocated blocks.
     pub fn allocated_size(&self) -> usize {
-        self.blocks
-            .iter()
-            .filter(|b| b.state == BlockState::Allocated)
-            .map(|b| b.size)
-            .sum()
+        self.blocks.iter().filter(|b| b.state == BlockState::Allocated).map(|b| b.size).sum()
     }
 
     /// Bytes in allocated or awaiting blocks.
     pub fn active_size(&self) -> usize {
-        self.blocks
-            .iter()
-            .filter(|b| b.state != BlockState::Free)
-            .map(|b| b.size)
-            .sum()
+        self.blocks.iter().filter(|b| b.state != BlockState::Free).map(|b| b.size).sum()
     }
 
     /// Bytes the callers of allocated blocks asked for.
     pub fn requested_size(&self) -> usize {
-        self.blocks
-            .iter()
-            .filter(|b| b.state == BlockState::Allocated)
-            .map(|b| b.requested_size)
-            .sum()
+        self.blocks.iter().filter(|b| b.state == BlockState::Allocated).map(|b| b.requested_size).sum()
     }
 }
 

@@ -154,16 +154,10 @@ impl MemoryStats {
         stat("oversize_segments", &self.oversize_segments);
         m.insert("num_alloc_retries".into(), self.num_alloc_retries as i64);
         m.insert("num_ooms".into(), self.num_ooms as i64);
-        m.insert(
-            "num_sync_all_streams".into(),
-            self.num_sync_all_streams as i64,
-        );
+        m.insert("num_sync_all_streams".into(), self.num_sync_all_streams as i64);
         m.insert("num_device_alloc".into(), self.num_device_alloc as i64);
         m.insert("num_device_free".into(), self.num_device_free as i64);
-        m.insert(
-            "max_split_size".into(),
-            self.max_split_size.min(i64::MAX as usize) as i64,
-        );
+        m.insert("max_split_size".into(), self.max_split_size.min(i64::MAX as usize) as i64);
         m
     }
 
@@ -219,11 +213,9 @@ impl MemoryStats {
         };
         for (name, a, is_bytes) in groups {
             rule(&mut s, '-');
-            for (label, st) in [
-                (name, &a.all),
-                ("      from large pool", &a.large_pool),
-                ("      from small pool", &a.small_pool),
-            ] {
+            for (label, st) in
+                [(name, &a.all), ("      from large pool", &a.large_pool), ("      from small pool", &a.small_pool)]
+            {
                 let _ = writeln!(
                     s,
                     "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",
@@ -236,10 +228,9 @@ impl MemoryStats {
             }
         }
         rule(&mut s, '-');
-        for (label, st) in [
-            ("Oversize allocations", &self.oversize_allocations),
-            ("Oversize segments", &self.oversize_segments),
-        ] {
+        for (label, st) in
+            [("Oversize allocations", &self.oversize_allocations), ("Oversize segments", &self.oversize_segments)]
+        {
             let _ = writeln!(
                 s,
                 "| {:<21} | {:>10} | {:>10} | {:>10} | {:>10} |",

@@ -67,11 +67,7 @@ pub struct StreamGuard {
 impl StreamGuard {
     pub(crate) fn new<S: 'static>(key: u32, s: S) -> StreamGuard {
         let prev = replace(key, Some(Box::new(s)));
-        StreamGuard {
-            key,
-            prev,
-            _not_send: PhantomData,
-        }
+        StreamGuard { key, prev, _not_send: PhantomData }
     }
 }
 
@@ -83,8 +79,6 @@ impl Drop for StreamGuard {
 
 impl std::fmt::Debug for StreamGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamGuard")
-            .field("allocator", &self.key)
-            .finish()
+        f.debug_struct("StreamGuard").field("allocator", &self.key).finish()
     }
 }

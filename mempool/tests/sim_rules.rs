@@ -15,11 +15,7 @@ fn setup(capacity: usize) -> (std::sync::Arc<SimDevice>, Allocator<Sim>) {
 }
 
 fn states(a: &Allocator<Sim>, seg: usize) -> Vec<(u64, usize, BlockState)> {
-    a.snapshot().segments[seg]
-        .blocks
-        .iter()
-        .map(|b| (b.address - BASE, b.size, b.state))
-        .collect()
+    a.snapshot().segments[seg].blocks.iter().map(|b| (b.address - BASE, b.size, b.state)).collect()
 }
 
 #[test]
@@ -61,10 +57,7 @@ fn frees_merge_with_free_neighbours() {
     assert_eq!(states(&a, 0)[1], (512, 1024, Free));
     let s = a.memory_stats();
     assert_eq!(s.inactive_split.all.current, 2);
-    assert_eq!(
-        s.inactive_split_bytes.all.current,
-        (1024 + 2 * MIB - 512 - 1024 - 4096) as i64
-    );
+    assert_eq!(s.inactive_split_bytes.all.current, (1024 + 2 * MIB - 512 - 1024 - 4096) as i64);
     check_invariants(&a, Some(&sim));
     drop(x); // merges with y's block
     assert_eq!(states(&a, 0)[0], (0, 1536, Free));
@@ -115,21 +108,11 @@ fn large_requests_and_segment_sizes() {
     assert_eq!(m2.device_ptr_raw(), m.device_ptr_raw() + (MIB + 512) as u64);
     assert_eq!(
         sim.live_segments(),
-        vec![
-            (BASE, 10 * MIB),
-            (BASE + 10 * MIB as u64, 12 * MIB),
-            (BASE + 22 * MIB as u64, 20 * MIB)
-        ]
+        vec![(BASE, 10 * MIB), (BASE + 10 * MIB as u64, 12 * MIB), (BASE + 22 * MIB as u64, 20 * MIB)]
     );
     let s = a.memory_stats();
-    assert_eq!(
-        s.allocated_bytes.large_pool.current,
-        (MIB + 512 + 5 * MIB + 10 * MIB + 12 * MIB) as i64
-    );
-    assert_eq!(
-        s.requested_bytes.large_pool.current,
-        (MIB + 1 + 5 * MIB + 10 * MIB + 11 * MIB) as i64
-    );
+    assert_eq!(s.allocated_bytes.large_pool.current, (MIB + 512 + 5 * MIB + 10 * MIB + 12 * MIB) as i64);
+    assert_eq!(s.requested_bytes.large_pool.current, (MIB + 1 + 5 * MIB + 10 * MIB + 11 * MIB) as i64);
     assert_eq!(s.allocated_bytes.small_pool.current, 0);
     check_invariants(&a, Some(&sim));
     // A 1 MiB rest is not split off in the large pool: 19 MiB takes the whole 20 MiB block.
@@ -156,16 +139,7 @@ fn max_split_size_keeps_oversize_blocks_whole() {
     // At or above it and within 20 MiB of its size: used whole, not split.
     let b = a.alloc::<u8>(45 * MIB).unwrap();
     assert_eq!(b.device_ptr_raw(), addr);
-    assert_eq!(
-        a.snapshot()
-            .segments
-            .iter()
-            .find(|s| s.address == addr)
-            .unwrap()
-            .blocks
-            .len(),
-        1
-    );
+    assert_eq!(a.snapshot().segments.iter().find(|s| s.address == addr).unwrap().blocks.len(), 1);
     drop(b);
     // 20 MiB or more larger than the request: not used.
     let c = a.alloc::<u8>(44 * MIB).unwrap();
@@ -186,11 +160,7 @@ fn blocks_are_reused_only_on_their_stream() {
         a.alloc::<u8>(4096).unwrap()
     };
     assert_eq!(*y.stream(), s1);
-    assert_ne!(
-        y.device_ptr_raw(),
-        xa,
-        "a block cached for stream 0 was handed to stream 1"
-    );
+    assert_ne!(y.device_ptr_raw(), xa, "a block cached for stream 0 was handed to stream 1");
     assert_eq!(sim.live_segments().len(), 2);
     let z = a.alloc::<u8>(4096).unwrap();
     assert_eq!(z.device_ptr_raw(), xa);
@@ -208,10 +178,7 @@ fn cross_stream_free_waits_for_the_other_stream() {
     drop(x);
     assert_eq!(sim.pending_events(s1), 1);
     assert_eq!(sim.pending_events(StreamId(0)), 0);
-    assert_eq!(
-        a.snapshot().segments[0].blocks[0].state,
-        BlockState::AwaitingStreams
-    );
+    assert_eq!(a.snapshot().segments[0].blocks[0].state, BlockState::AwaitingStreams);
     let s = a.memory_stats();
     assert_eq!((s.allocation.all.current, s.active.all.current), (0, 1));
     check_invariants(&a, Some(&sim));
@@ -231,10 +198,7 @@ fn out_of_memory_empties_the_cache_and_retries() {
     let big = a.alloc::<u8>(2 * MIB).unwrap(); // needs 20 MiB: 2 + 20 > 21
     assert_eq!(sim.live_segments(), vec![(big.device_ptr_raw(), 20 * MIB)]);
     let s = a.memory_stats();
-    assert_eq!(
-        (s.num_alloc_retries, s.num_ooms, s.num_device_free),
-        (1, 0, 1)
-    );
+    assert_eq!((s.num_alloc_retries, s.num_ooms, s.num_device_free), (1, 0, 1));
     check_invariants(&a, Some(&sim));
 }
 
@@ -261,9 +225,7 @@ fn out_of_memory_error_reads_like_pytorch() {
     let (sim, a) = setup(10 * MIB);
     drop(a.alloc::<u8>(512).unwrap()); // a cached small segment, given back on the way
     let err = a.alloc::<u8>(30 * MIB).unwrap_err();
-    let Error::OutOfMemory(r) = &err else {
-        panic!("expected OutOfMemory, got {err:?}")
-    };
+    let Error::OutOfMemory(r) = &err else { panic!("expected OutOfMemory, got {err:?}") };
     assert_eq!(r.requested, 30 * MIB);
     let msg = err.to_string();
     for want in [
@@ -306,11 +268,7 @@ fn memory_fraction_limits_reservation() {
 #[test]
 fn garbage_collection_gives_back_old_segments() {
     let sim = SimDevice::new(100 * MIB);
-    let cfg = Config::builder()
-        .garbage_collection_threshold(0.5)
-        .memory_fraction(0.5)
-        .build()
-        .unwrap();
+    let cfg = Config::builder().garbage_collection_threshold(0.5).memory_fraction(0.5).build().unwrap();
     let a = Allocator::sim_with(sim.clone(), cfg);
     let bufs: Vec<_> = (0..3).map(|_| a.alloc::<u8>(12 * MIB).unwrap()).collect();
     assert_eq!(a.memory_stats().reserved_bytes.all.current, 36 * MIB as i64);
@@ -318,15 +276,9 @@ fn garbage_collection_gives_back_old_segments() {
     // 14 MiB fits no cached block; reserved 36 MiB is over 0.5 x 50 MiB: old segments go first.
     let _x = a.alloc::<u8>(14 * MIB).unwrap();
     let s = a.memory_stats();
-    assert_eq!(
-        s.num_device_free, 1,
-        "one segment brings reserved under 25 MiB"
-    );
+    assert_eq!(s.num_device_free, 1, "one segment brings reserved under 25 MiB");
     assert_eq!(s.reserved_bytes.all.current, (24 + 14) as i64 * MIB as i64);
-    assert!(
-        !sim.live_segments().iter().any(|&(addr, _)| addr == BASE),
-        "the oldest segment goes first"
-    );
+    assert!(!sim.live_segments().iter().any(|&(addr, _)| addr == BASE), "the oldest segment goes first");
     check_invariants(&a, Some(&sim));
 }
 
@@ -341,13 +293,7 @@ fn empty_and_overflowing_requests() {
     let z = a.alloc::<()>(1000).unwrap(); // zero-sized elements: no memory either
     assert_eq!((z.len(), z.num_bytes()), (1000, 0));
     let err = a.alloc::<u64>(usize::MAX / 4).unwrap_err();
-    assert_eq!(
-        err,
-        Error::SizeOverflow {
-            len: usize::MAX / 4,
-            elem_size: 8
-        }
-    );
+    assert_eq!(err, Error::SizeOverflow { len: usize::MAX / 4, elem_size: 8 });
     assert!(err.to_string().contains("overflows"));
     assert_eq!(a.memory_stats().allocation.all.allocated, 0);
 }
@@ -359,27 +305,14 @@ fn raw_bytes_api_rejects_foreign_and_double_frees() {
     assert_eq!(p, BASE);
     let before = a.memory_stats();
     let err = a.free_bytes(p + 512).unwrap_err();
-    assert_eq!(
-        err,
-        Error::InvalidFree {
-            ptr: p + 512,
-            device: 0
-        }
-    );
+    assert_eq!(err, Error::InvalidFree { ptr: p + 512, device: 0 });
     assert!(err.to_string().contains("nothing was changed"));
-    assert_eq!(
-        a.memory_stats(),
-        before,
-        "a rejected free changed the stats"
-    );
+    assert_eq!(a.memory_stats(), before, "a rejected free changed the stats");
     a.free_bytes(p).unwrap();
     assert!(matches!(a.free_bytes(p), Err(Error::InvalidFree { .. })));
     // A Buffer's pointer is not the raw API's to free.
     let b = a.alloc::<u8>(100).unwrap();
-    assert!(matches!(
-        a.free_bytes(b.device_ptr_raw()),
-        Err(Error::InvalidFree { .. })
-    ));
+    assert!(matches!(a.free_bytes(b.device_ptr_raw()), Err(Error::InvalidFree { .. })));
     assert_eq!(a.alloc_bytes(0).unwrap(), 0);
     a.free_bytes(0).unwrap();
     let s1 = sim.new_stream();
@@ -415,15 +348,9 @@ fn failed_event_query_is_reported_by_the_next_call() {
     sim.complete_stream(s1);
     sim.fail_next_event_queries(1);
     let _y = a.alloc::<u8>(512).unwrap(); // the query fails: the block stays pending
-    assert_eq!(
-        a.snapshot().segments[0].blocks[0].state,
-        BlockState::AwaitingStreams
-    );
+    assert_eq!(a.snapshot().segments[0].blocks[0].state, BlockState::AwaitingStreams);
     let err = a.alloc::<u8>(512).unwrap_err();
-    assert!(
-        err.to_string().contains("querying a cross-stream event"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("querying a cross-stream event"), "{err}");
     let _z = a.alloc::<u8>(512).unwrap();
     assert_eq!(
         a.snapshot().segments[0].blocks[0].state,

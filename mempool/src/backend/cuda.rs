@@ -27,10 +27,7 @@ pub fn device_count() -> Result<usize> {
 }
 
 pub(crate) fn driver_err(op: &'static str, e: DriverError) -> Error {
-    Error::Backend {
-        op,
-        message: e.to_string(),
-    }
+    Error::Backend { op, message: e.to_string() }
 }
 
 fn failed(e: DriverError) -> BackendError {
@@ -53,17 +50,10 @@ impl CudaBackend {
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
         let count = device_count()?;
         if ordinal >= count {
-            return Err(Error::InvalidDevice {
-                device: ordinal,
-                count,
-            });
+            return Err(Error::InvalidDevice { device: ordinal, count });
         }
-        let ctx =
-            CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
-        Ok(CudaBackend {
-            ctx,
-            idle_events: Mutex::new(Vec::new()),
-        })
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
+        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()) })
     }
 
     /// The device's context.
@@ -78,11 +68,7 @@ impl CudaBackend {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
-        let events = std::mem::take(
-            self.idle_events
-                .get_mut()
-                .unwrap_or_else(|p| p.into_inner()),
-        );
+        let events = std::mem::take(self.idle_events.get_mut().unwrap_or_else(|p| p.into_inner()));
         if self.ctx.bind_to_thread().is_ok() {
             for e in events {
                 // SAFETY: every idle event was created by `record_event` and is destroyed once;
@@ -129,16 +115,10 @@ impl Backend for CudaBackend {
 
     fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
         self.bind()?;
-        let reuse = self
-            .idle_events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .pop();
+        let reuse = self.idle_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let ev = match reuse {
             Some(e) => e as CUevent,
-            None => {
-                result::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(failed)?
-            }
+            None => result::event::create(CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(failed)?,
         };
         // SAFETY: `ev` is a live event of this context; `stream` is the handle of a stream of this
         // context that used the block; its owner must keep it alive until the block is freed
@@ -146,10 +126,7 @@ impl Backend for CudaBackend {
         match unsafe { result::event::record(ev, stream.0 as CUstream) } {
             Ok(()) => Ok(EventId(ev as u64)),
             Err(e) => {
-                self.idle_events
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(ev as u64);
+                self.idle_events.lock().unwrap_or_else(|p| p.into_inner()).push(ev as u64);
                 Err(failed(e))
             }
         }
@@ -171,9 +148,6 @@ impl Backend for CudaBackend {
     }
 
     fn release_event(&self, event: EventId) {
-        self.idle_events
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(event.0);
+        self.idle_events.lock().unwrap_or_else(|p| p.into_inner()).push(event.0);
     }
 }

@@ -60,21 +60,17 @@ impl Backend for HostBackend {
     fn alloc_segment(&self, size: usize, _stream: StreamId) -> Result<u64, BackendError> {
         match &self.pinned {
             Some(ctx) => {
-                ctx.bind_to_thread()
-                    .map_err(|e| BackendError::Failed(e.to_string()))?;
+                ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
                 // SAFETY: the context is current on this thread; the returned pointer is owned
                 // by the caching allocator until `free_segment` gives it back.
                 let p = unsafe { result::malloc_host(size, 0) }.map_err(|e| match e.0 {
-                    cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                        BackendError::OutOfMemory
-                    }
+                    cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => BackendError::OutOfMemory,
                     _ => BackendError::Failed(e.to_string()),
                 })?;
                 Ok(p as u64)
             }
             None => {
-                let layout =
-                    Layout::from_size_align(size, ALIGN).map_err(|_| BackendError::OutOfMemory)?;
+                let layout = Layout::from_size_align(size, ALIGN).map_err(|_| BackendError::OutOfMemory)?;
                 // SAFETY: `size` is non-zero (the allocator never asks for empty segments).
                 let p = unsafe { std::alloc::alloc(layout) };
                 if p.is_null() {
@@ -89,15 +85,13 @@ impl Backend for HostBackend {
     fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         match &self.pinned {
             Some(ctx) => {
-                ctx.bind_to_thread()
-                    .map_err(|e| BackendError::Failed(e.to_string()))?;
+                ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
                 // SAFETY: `addr` came from `malloc_host` in `alloc_segment` and is freed once.
                 unsafe { result::free_host(addr as *mut std::ffi::c_void) }
                     .map_err(|e| BackendError::Failed(e.to_string()))
             }
             None => {
-                let layout = Layout::from_size_align(size, ALIGN)
-                    .map_err(|e| BackendError::Failed(e.to_string()))?;
+                let layout = Layout::from_size_align(size, ALIGN).map_err(|e| BackendError::Failed(e.to_string()))?;
                 // SAFETY: `addr` came from `std::alloc::alloc` with this same layout in
                 // `alloc_segment`, and the caching allocator frees each segment once.
                 unsafe { std::alloc::dealloc(addr as *mut u8, layout) };

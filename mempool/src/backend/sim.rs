@@ -60,12 +60,7 @@ impl SimDevice {
     pub fn with_index(device: usize, capacity: usize) -> Arc<SimDevice> {
         Arc::new(SimDevice {
             device,
-            state: Mutex::new(SimState {
-                capacity,
-                next_addr: Self::BASE,
-                next_stream: 1,
-                ..Default::default()
-            }),
+            state: Mutex::new(SimState { capacity, next_addr: Self::BASE, next_stream: 1, ..Default::default() }),
         })
     }
 
@@ -181,12 +176,8 @@ impl Backend for SimDevice {
                 s.frees += 1;
                 Ok(())
             }
-            Some(&sz) => Err(BackendError::Failed(format!(
-                "sim: segment {addr:#x} has size {sz}, freed as {size}"
-            ))),
-            None => Err(BackendError::Failed(format!(
-                "sim: {addr:#x} is not a live segment"
-            ))),
+            Some(&sz) => Err(BackendError::Failed(format!("sim: segment {addr:#x} has size {sz}, freed as {size}"))),
+            None => Err(BackendError::Failed(format!("sim: {addr:#x} is not a live segment"))),
         }
     }
 
@@ -194,9 +185,7 @@ impl Backend for SimDevice {
         let s = self.lock();
         match s.segments.range(..=addr).next_back() {
             Some((a, sz)) if addr + size as u64 <= a + *sz as u64 => Ok(()),
-            _ => Err(BackendError::Failed(format!(
-                "sim: zero of {size} bytes at {addr:#x} outside every segment"
-            ))),
+            _ => Err(BackendError::Failed(format!("sim: zero of {size} bytes at {addr:#x} outside every segment"))),
         }
     }
 
@@ -215,23 +204,15 @@ impl Backend for SimDevice {
         let mut s = self.lock();
         if s.fail_queries > 0 {
             s.fail_queries -= 1;
-            return Err(BackendError::Failed(
-                "sim: injected event query failure".into(),
-            ));
+            return Err(BackendError::Failed("sim: injected event query failure".into()));
         }
-        let (stream, seq) = *s
-            .events
-            .get(&event.0)
-            .ok_or_else(|| BackendError::Failed("sim: unknown event".into()))?;
+        let (stream, seq) = *s.events.get(&event.0).ok_or_else(|| BackendError::Failed("sim: unknown event".into()))?;
         Ok(s.streams.get(&stream).is_some_and(|e| e.1 >= seq))
     }
 
     fn synchronize_event(&self, event: EventId) -> Result<(), BackendError> {
         let mut s = self.lock();
-        let (stream, seq) = *s
-            .events
-            .get(&event.0)
-            .ok_or_else(|| BackendError::Failed("sim: unknown event".into()))?;
+        let (stream, seq) = *s.events.get(&event.0).ok_or_else(|| BackendError::Failed("sim: unknown event".into()))?;
         s.syncs += 1;
         let e = s.streams.entry(stream).or_default();
         e.1 = e.1.max(seq);

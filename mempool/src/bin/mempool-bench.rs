@@ -1,1 +1,215 @@
-fn main() {}
+//! `mempool-bench`: the allocator workloads of `shared/anchors/README.md`, so that mempool and
+//! PyTorch's allocator are measured on the same work in the same run.
+//!
+//! ```text
+//! mempool-bench latency [--backend sim|host|cuda]
+//! mempool-bench replay <trace>... [--backend sim|host|cuda]
+//! ```
+//! `latency` prints `pair <bytes> <ns>` and `mixed <live> <ns>` lines (through `Buffer`), then the
+//! same through the raw byte API as `pair-raw` / `mixed-raw`. `replay` prints one line per rep:
+//! `mempool <trace> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`.
+//! The backend is CUDA device 0 when a GPU is present, else host memory (said on stderr).
+
+use std::process::ExitCode;
+use std::time::Instant;
+
+use mempool::sim::SimDevice;
+use mempool::{Allocator, Buffer, Kind};
+
+const PAIR_SIZES: [usize; 5] = [512, 4096, 1 << 20, 8 << 20, 64 << 20];
+const WARMUP: usize = 1_000;
+const TIMED: usize = 200_000;
+const MIXED_LIVE: [usize; 2] = [16, 256];
+
+/// xorshift64 with the anchors' seed and sizes.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn size(&mut self) -> usize {
+        let lo = 1usize << (9 + self.next() % 18);
+        lo + (self.next() % lo as u64) as usize
+    }
+}
+
+fn pair<K: Kind>(a: &Allocator<K>, size: usize) -> f64 {
+    for _ in 0..WARMUP {
+        drop(a.alloc::<u8>(size).expect("alloc"));
+    }
+    let t = Instant::now();
+    for _ in 0..TIMED {
+        drop(a.alloc::<u8>(size).expect("alloc"));
+    }
+    t.elapsed().as_nanos() as f64 / TIMED as f64
+}
+
+fn pair_raw<K: Kind>(a: &Allocator<K>, size: usize) -> f64 {
+    for _ in 0..WARMUP {
+        a.free_bytes(a.alloc_bytes(size).expect("alloc")).expect("free");
+    }
+    let t = Instant::now();
+    for _ in 0..TIMED {
+        a.free_bytes(a.alloc_bytes(size).expect("alloc")).expect("free");
+    }
+    t.elapsed().as_nanos() as f64 / TIMED as f64
+}
+
+fn mixed<K: Kind>(a: &Allocator<K>, live: usize) -> f64 {
+    let mut rng = Rng(42);
+    let mut v: Vec<Option<Buffer<u8, K>>> = (0..live).map(|_| Some(a.alloc(rng.size()).expect("alloc"))).collect();
+    let t = Instant::now();
+    for _ in 0..TIMED {
+        let k = (rng.next() % live as u64) as usize;
+        v[k] = None; // free first, as the anchor does
+        v[k] = Some(a.alloc(rng.size()).expect("alloc"));
+    }
+    t.elapsed().as_nanos() as f64 / TIMED as f64
+}
+
+fn mixed_raw<K: Kind>(a: &Allocator<K>, live: usize) -> f64 {
+    let mut rng = Rng(42);
+    let mut v: Vec<u64> = (0..live).map(|_| a.alloc_bytes(rng.size()).expect("alloc")).collect();
+    let t = Instant::now();
+    for _ in 0..TIMED {
+        let k = (rng.next() % live as u64) as usize;
+        a.free_bytes(v[k]).expect("free");
+        v[k] = a.alloc_bytes(rng.size()).expect("alloc");
+    }
+    let ns = t.elapsed().as_nanos() as f64 / TIMED as f64;
+    for p in v {
+        a.free_bytes(p).expect("free");
+    }
+    ns
+}
+
+fn latency<K: Kind>(a: &Allocator<K>) {
+    for s in PAIR_SIZES {
+        println!("pair {s} {:.1}", pair(a, s));
+    }
+    for l in MIXED_LIVE {
+        println!("mixed {l} {:.1}", mixed(a, l));
+    }
+    for s in PAIR_SIZES {
+        println!("pair-raw {s} {:.1}", pair_raw(a, s));
+    }
+    for l in MIXED_LIVE {
+        println!("mixed-raw {l} {:.1}", mixed_raw(a, l));
+    }
+}
+
+enum Ev {
+    Alloc(usize, usize),
+    Free(usize),
+}
+
+fn read_trace(path: &str) -> Result<Vec<Ev>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(n, l)| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            let num = |i: usize| -> Result<usize, String> {
+                w.get(i).and_then(|x| x.parse().ok()).ok_or_else(|| format!("{path}:{}: bad line {l:?}", n + 1))
+            };
+            match w.first() {
+                Some(&"a") => Ok(Ev::Alloc(num(1)?, num(2)?)),
+                Some(&"f") => Ok(Ev::Free(num(1)?)),
+                _ => Err(format!("{path}:{}: expected `a <id> <bytes> <stream>` or `f <id>`, got {l:?}", n + 1)),
+            }
+        })
+        .collect()
+}
+
+fn replay<K: Kind>(a: &Allocator<K>, path: &str) -> Result<(), String> {
+    let evs = read_trace(path)?;
+    let max_id = evs
+        .iter()
+        .map(|e| match e {
+            Ev::Alloc(i, _) | Ev::Free(i) => *i,
+        })
+        .max()
+        .unwrap_or(0);
+    let name = path.rsplit('/').next().unwrap_or(path);
+    let mut live: Vec<Option<Buffer<u8, K>>> = (0..=max_id).map(|_| None).collect();
+    a.empty_cache().map_err(|e| e.to_string())?;
+    for rep in 0..3 {
+        a.reset_peak_stats();
+        let t = Instant::now();
+        for e in &evs {
+            match *e {
+                Ev::Alloc(id, size) => live[id] = Some(a.alloc(size).map_err(|e| e.to_string())?),
+                Ev::Free(id) => live[id] = None,
+            }
+        }
+        let ns = t.elapsed().as_nanos() as f64 / evs.len().max(1) as f64;
+        let s = a.memory_stats();
+        live.iter_mut().for_each(|b| *b = None);
+        println!(
+            "mempool {name} rep={rep} {} events={} ns_per_event={ns:.1} peak_allocated={} peak_reserved={}",
+            if rep == 0 { "cold" } else { "warm" },
+            evs.len(),
+            s.allocated_bytes.all.peak,
+            s.reserved_bytes.all.peak
+        );
+    }
+    Ok(())
+}
+
+fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String]) -> Result<(), String> {
+    match cmd {
+        "latency" => {
+            latency(&a);
+            Ok(())
+        }
+        "replay" if !args.is_empty() => args.iter().try_for_each(|t| replay(&a, t)),
+        _ => Err(usage()),
+    }
+}
+
+fn usage() -> String {
+    "usage: mempool-bench latency [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]".into()
+}
+
+fn main() -> ExitCode {
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    let mut backend = None;
+    if let Some(i) = args.iter().position(|a| a == "--backend") {
+        if i + 1 >= args.len() {
+            eprintln!("{}", usage());
+            return ExitCode::from(2);
+        }
+        backend = Some(args.remove(i + 1));
+        args.remove(i);
+    }
+    let Some(cmd) = args.first().cloned() else {
+        eprintln!("{}", usage());
+        return ExitCode::from(2);
+    };
+    let rest = &args[1..];
+    let backend = backend.unwrap_or_else(|| match mempool::device_count() {
+        Ok(n) if n > 0 => "cuda".into(),
+        _ => {
+            eprintln!("mempool-bench: no CUDA GPU here; using the host backend");
+            "host".into()
+        }
+    });
+    let r = match backend.as_str() {
+        "cuda" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| run(a, &cmd, rest)),
+        "host" => run(Allocator::host(), &cmd, rest),
+        "sim" => run(Allocator::sim(SimDevice::new(usize::MAX / 2)), &cmd, rest),
+        other => Err(format!("unknown backend `{other}`; valid: sim, host, cuda")),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("mempool-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

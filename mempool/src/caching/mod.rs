@@ -92,9 +92,28 @@ struct Segment {
 
 type SetKey = (PoolId, StreamId, bool);
 
+/// Free blocks ordered by size, then address. The key packs (size, address, block index) into
+/// one `u128` (40, 56 and 32 bits), which compares in two instructions instead of three tuple
+/// fields: the set is the allocator's hot path.
 #[derive(Debug)]
 struct FreeSet {
-    blocks: BTreeSet<(usize, u64, u32)>,
+    blocks: BTreeSet<u128>,
+}
+
+/// Largest block size the packed key holds (1 TiB); larger requests are refused up front.
+pub(crate) const MAX_BLOCK: usize = (1 << 40) - 1;
+
+fn key(size: usize, addr: u64, idx: u32) -> u128 {
+    debug_assert!(size <= MAX_BLOCK && addr < (1 << 56));
+    ((size as u128) << 88) | ((addr as u128) << 32) | idx as u128
+}
+
+fn key_size(k: u128) -> usize {
+    (k >> 88) as usize
+}
+
+fn key_idx(k: u128) -> u32 {
+    k as u32
 }
 
 /// Everything behind the allocator's lock.
@@ -131,10 +150,7 @@ pub(crate) struct Allocation {
 impl DeviceAllocator {
     pub(crate) fn new(backend: Arc<dyn Backend>, config: Config) -> DeviceAllocator {
         let limit = limit_for(&*backend, config.memory_fraction);
-        let stats = MemoryStats {
-            max_split_size: config.max_split_size,
-            ..Default::default()
-        };
+        let stats = MemoryStats { max_split_size: config.max_split_size, ..Default::default() };
         DeviceAllocator {
             backend,
             state: Mutex::new(State {
@@ -176,6 +192,10 @@ impl DeviceAllocator {
             st.process_events(be);
         }
         st.tick += 1;
+        if size > MAX_BLOCK {
+            st.stats.num_ooms += 1;
+            return Err(st.oom(be, size));
+        }
         let rounded = round_size(size, &st.config);
         let small = is_small(rounded);
         let set = st.set_for(pool, stream, small);
@@ -225,10 +245,7 @@ impl DeviceAllocator {
                 st.free(&*self.backend, b);
                 Ok(())
             }
-            None => Err(Error::InvalidFree {
-                ptr,
-                device: self.backend.device(),
-            }),
+            None => Err(Error::InvalidFree { ptr, device: self.backend.device() }),
         }
     }
 
@@ -288,11 +305,7 @@ impl DeviceAllocator {
                     blocks.push(BlockSnapshot {
                         address: blk.addr,
                         size: blk.size,
-                        requested_size: if blk.state == BlockState::Free {
-                            0
-                        } else {
-                            blk.requested
-                        },
+                        requested_size: if blk.state == BlockState::Free { 0 } else { blk.requested },
                         state: blk.state,
                     });
                     b = blk.next;
@@ -308,11 +321,7 @@ impl DeviceAllocator {
             })
             .collect();
         segments.sort_by_key(|s| s.address);
-        Snapshot {
-            device: self.backend.device(),
-            backend: self.backend.kind(),
-            segments,
-        }
+        Snapshot { device: self.backend.device(), backend: self.backend.kind(), segments }
     }
 }
 
@@ -320,9 +329,7 @@ fn limit_for(backend: &dyn Backend, fraction: f64) -> Option<usize> {
     if fraction >= 1.0 {
         return None;
     }
-    backend
-        .memory_info()
-        .map(|(_, total)| (total as f64 * fraction) as usize)
+    backend.memory_info().map(|(_, total)| (total as f64 * fraction) as usize)
 }
 
 impl State {
@@ -331,9 +338,7 @@ impl State {
             return i;
         }
         let i = self.sets.len() as u32;
-        self.sets.push(FreeSet {
-            blocks: BTreeSet::new(),
-        });
+        self.sets.push(FreeSet { blocks: BTreeSet::new() });
         self.set_index.insert((pool, stream, small), i);
         i
     }
@@ -360,31 +365,25 @@ impl State {
     fn best_fit(&mut self, set: u32, size: usize) -> Option<u32> {
         let max_split = self.config.max_split_size;
         let s = &mut self.sets[set as usize];
-        let &key = s.blocks.range((size, 0, 0)..).next()?;
-        let block = key.0;
-        if (size < max_split && block >= max_split)
-            || (size >= max_split && block >= size + rounding::LARGE_BUFFER)
-        {
+        let &k = s.blocks.range(key(size, 0, 0)..).next()?;
+        let block = key_size(k);
+        if (size < max_split && block >= max_split) || (size >= max_split && block >= size + rounding::LARGE_BUFFER) {
             return None;
         }
-        s.blocks.remove(&key);
-        Some(key.2)
+        s.blocks.remove(&k);
+        Some(key_idx(k))
     }
 
     fn insert_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
         let set = self.segments[blk.seg as usize].set;
-        self.sets[set as usize]
-            .blocks
-            .insert((blk.size, blk.addr, b));
+        self.sets[set as usize].blocks.insert(key(blk.size, blk.addr, b));
     }
 
     fn remove_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
         let set = self.segments[blk.seg as usize].set;
-        self.sets[set as usize]
-            .blocks
-            .remove(&(blk.size, blk.addr, b));
+        self.sets[set as usize].blocks.remove(&key(blk.size, blk.addr, b));
     }
 
     /// Counts (`+1`) or uncounts (`-1`) a free block in the inactive-split stats.
@@ -475,45 +474,22 @@ impl State {
                     Ok(a) => a,
                     Err(BackendError::OutOfMemory) => {
                         self.stats.num_ooms += 1;
-                        let (free, total) = be.memory_info().unzip();
-                        return Err(Error::OutOfMemory(Box::new(OomReport {
-                            device: be.device(),
-                            backend: be.kind(),
-                            requested,
-                            device_total: total,
-                            device_free: free,
-                            allocated: self.stats.allocated_bytes.all.current as usize,
-                            reserved: self.stats.reserved_bytes.all.current as usize,
-                            limit: self.limit,
-                        })));
+                        return Err(self.oom(be, requested));
                     }
                     Err(BackendError::Failed(m)) => {
-                        return Err(Error::Backend {
-                            op: "segment allocation",
-                            message: m,
-                        })
+                        return Err(Error::Backend { op: "segment allocation", message: m })
                     }
                 }
             }
-            Err(BackendError::Failed(m)) => {
-                return Err(Error::Backend {
-                    op: "segment allocation",
-                    message: m,
-                })
-            }
+            Err(BackendError::Failed(m)) => return Err(Error::Backend { op: "segment allocation", message: m }),
         };
+        if addr >= 1 << 56 {
+            // The free sets pack addresses into 56 bits; no device hands out higher ones today.
+            let _ = be.free_segment(addr, size);
+            return Err(Error::Backend { op: "segment allocation", message: format!("address {addr:#x} above 2^56") });
+        }
         let (pool, stream, small) = key;
-        let seg = Segment {
-            addr,
-            size,
-            stream,
-            pool,
-            small,
-            set,
-            head: NONE,
-            freed_at: 0,
-            live: true,
-        };
+        let seg = Segment { addr, size, stream, pool, small, set, head: NONE, freed_at: 0, live: true };
         let seg_idx = match self.free_segments.pop() {
             Some(i) => {
                 self.segments[i as usize] = seg;
@@ -546,13 +522,22 @@ impl State {
         Ok(block)
     }
 
+    fn oom(&self, be: &dyn Backend, requested: usize) -> Error {
+        let (free, total) = be.memory_info().unzip();
+        Error::OutOfMemory(Box::new(OomReport {
+            device: be.device(),
+            backend: be.kind(),
+            requested,
+            device_total: total,
+            device_free: free,
+            allocated: self.stats.allocated_bytes.all.current as usize,
+            reserved: self.stats.reserved_bytes.all.current as usize,
+            limit: self.limit,
+        }))
+    }
+
     /// The backend's allocation, refused up front when it would pass the memory-fraction limit.
-    fn raw_alloc(
-        &mut self,
-        be: &dyn Backend,
-        size: usize,
-        stream: StreamId,
-    ) -> Result<u64, BackendError> {
+    fn raw_alloc(&mut self, be: &dyn Backend, size: usize, stream: StreamId) -> Result<u64, BackendError> {
         if let Some(limit) = self.limit {
             if self.stats.reserved_bytes.all.current as usize + size > limit {
                 return Err(BackendError::OutOfMemory);
@@ -590,10 +575,7 @@ impl State {
                     // block: it stays out of circulation rather than risk handing it out early.
                     self.error.get_or_insert(Error::Backend {
                         op: "recording a cross-stream event",
-                        message: format!(
-                            "{e}; block {:#x} is held back",
-                            self.blocks[block as usize].addr
-                        ),
+                        message: format!("{e}; block {:#x} is held back", self.blocks[block as usize].addr),
                     });
                 }
             }
@@ -654,10 +636,8 @@ impl State {
                 Ok(true) => self.event_done(be, ev, block),
                 Ok(false) => self.pending.push((ev, block)),
                 Err(e) => {
-                    self.error.get_or_insert(Error::Backend {
-                        op: "querying a cross-stream event",
-                        message: e.to_string(),
-                    });
+                    self.error
+                        .get_or_insert(Error::Backend { op: "querying a cross-stream event", message: e.to_string() });
                     self.pending.push((ev, block));
                 }
             }

@@ -74,10 +74,7 @@ mod tests {
     use super::*;
 
     fn cfg(div: usize) -> Config {
-        Config::builder()
-            .roundup_power2_divisions(div)
-            .build()
-            .unwrap()
+        Config::builder().roundup_power2_divisions(div).build().unwrap()
     }
 
     #[test]

@@ -32,16 +32,8 @@ pub fn check_invariants<K: Kind>(alloc: &Allocator<K>, sim: Option<&SimDevice>) 
     let stats = alloc.memory_stats();
     check_snapshot(&snap);
     if let Some(sim) = sim {
-        let segs: Vec<(u64, usize)> = snap
-            .segments
-            .iter()
-            .map(|s| (s.address, s.total_size))
-            .collect();
-        assert_eq!(
-            segs,
-            sim.live_segments(),
-            "allocator segments differ from the device's"
-        );
+        let segs: Vec<(u64, usize)> = snap.segments.iter().map(|s| (s.address, s.total_size)).collect();
+        assert_eq!(segs, sim.live_segments(), "allocator segments differ from the device's");
     }
     check_stats(&snap, &stats);
 }
@@ -49,40 +41,23 @@ pub fn check_invariants<K: Kind>(alloc: &Allocator<K>, sim: Option<&SimDevice>) 
 pub fn check_snapshot(snap: &Snapshot) {
     let mut last_end = 0u64;
     for s in &snap.segments {
-        assert!(
-            s.address >= last_end,
-            "segments overlap at {:#x}",
-            s.address
-        );
+        assert!(s.address >= last_end, "segments overlap at {:#x}", s.address);
         last_end = s.address + s.total_size as u64;
         assert!(!s.blocks.is_empty());
         let mut at = s.address;
         let mut prev_free = false;
         for b in &s.blocks {
-            assert_eq!(
-                b.address, at,
-                "blocks of segment {:#x} do not tile it",
-                s.address
-            );
+            assert_eq!(b.address, at, "blocks of segment {:#x} do not tile it", s.address);
             assert!(b.size >= 512 && b.size % 512 == 0, "block size {}", b.size);
             at += b.size as u64;
             let free = b.state == BlockState::Free;
-            assert!(
-                !(free && prev_free),
-                "two adjacent free blocks at {:#x}: missed merge",
-                b.address
-            );
+            assert!(!(free && prev_free), "two adjacent free blocks at {:#x}: missed merge", b.address);
             prev_free = free;
             if b.state == BlockState::Allocated {
                 assert!(b.requested_size <= b.size);
             }
         }
-        assert_eq!(
-            at,
-            s.address + s.total_size as u64,
-            "blocks do not cover segment {:#x}",
-            s.address
-        );
+        assert_eq!(at, s.address + s.total_size as u64, "blocks do not cover segment {:#x}", s.address);
     }
 }
 
@@ -149,19 +124,9 @@ pub fn check_stats(snap: &Snapshot, stats: &MemoryStats) {
         "inactive_split_bytes",
     ];
     for i in 0..9 {
-        assert_eq!(
-            got[i], want[i],
-            "stat {} (all, small, large) differs from the block table",
-            names[i]
-        );
+        assert_eq!(got[i], want[i], "stat {} (all, small, large) differs from the block table", names[i]);
     }
-    for a in [
-        &stats.segment,
-        &stats.reserved_bytes,
-        &stats.allocation,
-        &stats.allocated_bytes,
-        &stats.active_bytes,
-    ] {
+    for a in [&stats.segment, &stats.reserved_bytes, &stats.allocation, &stats.allocated_bytes, &stats.active_bytes] {
         assert!(a.all.peak >= a.all.current);
         assert_eq!(a.all.allocated as i64 - a.all.freed as i64, a.all.current);
     }

@@ -1,0 +1,177 @@
+//! On a real GPU (run on the GPU machine through `shared/tools/gpu-bundle`). Without a GPU, the
+//! tests that need none check the clear errors instead.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{result, CudaStream};
+use mempool::{Allocator, Error, StreamGuard};
+
+fn gpu() -> Allocator {
+    Allocator::cuda(0).expect("CUDA device 0")
+}
+
+#[test]
+fn without_a_driver_or_device_errors_are_clear() {
+    match mempool::device_count() {
+        Err(Error::NoCudaDriver) => {
+            let e = Allocator::cuda(0).unwrap_err();
+            assert_eq!(e, Error::NoCudaDriver);
+            assert!(e.to_string().contains("libcuda.so"), "{e}");
+            assert!(mempool::alloc::<f32>(4).is_err());
+        }
+        Ok(n) => {
+            let e = Allocator::cuda(n).unwrap_err();
+            assert_eq!(e, Error::InvalidDevice { device: n, count: n });
+            assert!(e.to_string().contains(&format!("has {n} CUDA device(s)")), "{e}");
+        }
+        Err(e) => panic!("unexpected: {e}"),
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn write_and_read_back_and_reuse() {
+    let a = gpu();
+    let stream = a.current_stream();
+    let data: Vec<f32> = (0..100_000).map(|i| i as f32 * 0.5).collect();
+    let mut buf = a.alloc::<f32>(data.len()).unwrap();
+    stream.memcpy_htod(&data, &mut buf).unwrap();
+    assert_eq!(stream.clone_dtoh(&buf).unwrap(), data);
+    let addr = buf.device_ptr_raw();
+    drop(buf);
+    let again = a.alloc::<f32>(data.len()).unwrap();
+    assert_eq!(again.device_ptr_raw(), addr, "a freed block of the same size was not reused");
+    let zeros = a.alloc_zeros::<u32>(12_345).unwrap();
+    assert!(stream.clone_dtoh(&zeros).unwrap().iter().all(|&x| x == 0));
+    let s = a.memory_stats();
+    assert!(s.allocated_bytes.all.current >= (400_000 + 12_345 * 4) as i64);
+    println!("{}", a.memory_summary());
+}
+
+unsafe extern "C" fn sleep_on_stream(_: *mut c_void) {
+    std::thread::sleep(Duration::from_millis(400));
+}
+
+/// Makes `stream` wait ~400 ms before its next work (a host function that sleeps).
+fn stall(stream: &CudaStream) {
+    // SAFETY: the callback takes no data and only sleeps; the stream is live.
+    unsafe { result::stream::launch_host_function(stream.cu_stream(), sleep_on_stream, std::ptr::null_mut()) }.unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn freed_buffer_is_not_reused_while_another_stream_reads_it() {
+    let a = gpu();
+    let ctx = a.context().clone();
+    let sa: Arc<CudaStream> = ctx.new_stream().unwrap();
+    let sb: Arc<CudaStream> = ctx.new_stream().unwrap();
+    let n = 1 << 20;
+    let _on_a: StreamGuard = a.set_stream(&sa).unwrap();
+    let mut src = a.alloc::<u32>(n).unwrap();
+    sa.memcpy_htod(&vec![1u32; n], &mut src).unwrap();
+    sa.synchronize().unwrap();
+    let old = src.device_ptr_raw();
+    let mut out = {
+        let _on_b = a.set_stream(&sb).unwrap();
+        a.alloc::<u32>(n).unwrap()
+    };
+    // Stream B: wait, then copy `src` out. Passing `src` to cudarc on B records B automatically.
+    stall(&sb);
+    sb.memcpy_dtod(&src, &mut out).unwrap();
+    drop(src); // freed on A while B has not read it yet
+    let mut fresh = a.alloc::<u32>(n).unwrap();
+    assert_ne!(fresh.device_ptr_raw(), old, "reused while stream B still had to read it");
+    sa.memcpy_htod(&vec![2u32; n], &mut fresh).unwrap(); // A does not wait for B
+    sa.synchronize().unwrap();
+    let got = sb.clone_dtoh(&out).unwrap();
+    assert!(got.iter().all(|&x| x == 1), "stream B read memory that stream A had already overwritten");
+    // Once B is done, the block comes back.
+    sb.synchronize().unwrap();
+    let reuse = a.alloc::<u32>(n).unwrap();
+    assert_eq!(reuse.device_ptr_raw(), old, "not reused after stream B finished");
+    drop((fresh, reuse, out));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn explicit_record_stream_defers_reuse() {
+    let a = gpu();
+    let ctx = a.context().clone();
+    let sb = ctx.new_stream().unwrap();
+    let buf = a.alloc::<u8>(3 << 20).unwrap();
+    let old = buf.device_ptr_raw();
+    stall(&sb);
+    buf.record_stream(&sb).unwrap();
+    drop(buf);
+    let other = a.alloc::<u8>(3 << 20).unwrap();
+    assert_ne!(other.device_ptr_raw(), old);
+    sb.synchronize().unwrap();
+    drop(other);
+    let b2 = a.alloc::<u8>(3 << 20).unwrap();
+    let b3 = a.alloc::<u8>(3 << 20).unwrap();
+    assert!(b2.device_ptr_raw() == old || b3.device_ptr_raw() == old);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn allocate_until_refused_then_recover() {
+    let a = gpu();
+    a.empty_cache().unwrap();
+    let (free0, total) = a.device_memory().unwrap();
+    let chunk = 1usize << 30;
+    let mut held = Vec::new();
+    let err = loop {
+        match a.alloc::<u8>(chunk) {
+            Ok(b) => held.push(b),
+            Err(e) => break e,
+        }
+        assert!(held.len() * chunk <= total, "allocated more than the device has");
+    };
+    let Error::OutOfMemory(r) = &err else { panic!("expected out of memory, got {err}") };
+    let msg = err.to_string();
+    println!("after {} GiB: {msg}", held.len());
+    assert!(held.len() * chunk + chunk > free0 / 2, "refused far too early: {} GiB of {free0} free", held.len());
+    assert_eq!(r.requested, chunk);
+    assert_eq!(r.device_total, Some(total));
+    for want in ["cuda out of memory", "Tried to allocate 1.00 GiB", "total capacity of", "allocated by mempool"] {
+        assert!(msg.contains(want), "{want:?} missing: {msg}");
+    }
+    held.clear();
+    let again = a.alloc::<u8>(chunk).unwrap();
+    drop(again);
+    assert!(a.memory_stats().num_ooms >= 1);
+    a.empty_cache().unwrap();
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 0);
+    let (free1, _) = a.device_memory().unwrap();
+    assert!(free1 + (64 << 20) >= free0, "driver free memory did not come back: {free0} before, {free1} after");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn raw_bytes_with_the_driver() {
+    let a = gpu();
+    let p = a.alloc_bytes(1 << 20).unwrap();
+    // SAFETY: `p` is a live allocation of 1 MiB on device 0, whose context is current.
+    unsafe { result::memset_d8_sync(p, 7, 1 << 20) }.unwrap();
+    let mut host = vec![0u8; 1 << 20];
+    // SAFETY: as above; `host` has room for 1 MiB.
+    unsafe { result::memcpy_dtoh_sync(&mut host, p) }.unwrap();
+    assert!(host.iter().all(|&x| x == 7));
+    assert!(matches!(a.free_bytes(p + 4), Err(Error::InvalidFree { .. })));
+    a.free_bytes(p).unwrap();
+    assert!(matches!(a.free_bytes(p), Err(Error::InvalidFree { .. })));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_backend_is_pinned_when_a_gpu_is_present() {
+    let backend = mempool::backend::host::HostBackend::new();
+    assert!(backend.is_pinned());
+    let h = Allocator::host_with(backend, mempool::Config::default());
+    let b = h.alloc_zeros::<u64>(1000).unwrap();
+    // SAFETY: the buffer is 1000 live, zeroed u64s of host memory owned by `b`.
+    let s = unsafe { std::slice::from_raw_parts(b.device_ptr_raw() as *const u64, 1000) };
+    assert!(s.iter().all(|&x| x == 0));
+}
