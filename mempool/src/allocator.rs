@@ -1,8 +1,9 @@
 //! `Allocator`: the handle to one device's caching allocator, typed by the kind of device.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use cudarc::driver::CudaStream;
 
@@ -31,11 +32,16 @@ pub trait Kind: sealed::Sealed + Sized + Send + Sync + 'static {
     #[doc(hidden)]
     type Ext: Send + Sync + 'static;
     #[doc(hidden)]
+    type StreamCache: Default + Send + Sync + 'static;
+    #[doc(hidden)]
     fn stream_id(s: &Self::Stream) -> StreamId;
     #[doc(hidden)]
     fn stream_device(s: &Self::Stream, allocator_device: usize) -> usize;
+    /// Called when a stream becomes current, so that `resolve` can find it later.
     #[doc(hidden)]
-    fn default_stream(shared: &Shared<Self>) -> Self::Stream;
+    fn register(_shared: &Shared<Self>, _s: &Self::Stream) {}
+    #[doc(hidden)]
+    fn resolve(shared: &Shared<Self>, id: StreamId) -> Self::Stream;
 }
 
 /// NVIDIA GPUs through cudarc. Streams are cudarc's `Arc<CudaStream>`.
@@ -52,46 +58,69 @@ impl sealed::Sealed for Cuda {}
 impl sealed::Sealed for Host {}
 impl sealed::Sealed for Sim {}
 
+#[doc(hidden)]
+pub struct CudaExt {
+    backend: Arc<CudaBackend>,
+    /// Streams made current through this allocator, by handle, so that a buffer can give cudarc
+    /// its stream without holding a reference count on the hot path.
+    streams: Mutex<HashMap<u64, Weak<CudaStream>>>,
+}
+
 impl Kind for Cuda {
     type Stream = Arc<CudaStream>;
-    type Ext = Arc<CudaBackend>;
+    type Ext = CudaExt;
+    type StreamCache = OnceLock<Arc<CudaStream>>;
     fn stream_id(s: &Arc<CudaStream>) -> StreamId {
         StreamId(s.cu_stream() as u64)
     }
     fn stream_device(s: &Arc<CudaStream>, _: usize) -> usize {
         s.context().ordinal()
     }
-    fn default_stream(shared: &Shared<Cuda>) -> Arc<CudaStream> {
-        // One `Arc` per thread, so threads do not share a reference count.
-        shared.ext.context().default_stream()
+    fn register(shared: &Shared<Cuda>, s: &Arc<CudaStream>) {
+        if !s.cu_stream().is_null() {
+            let mut m = shared.ext.streams.lock().unwrap_or_else(|p| p.into_inner());
+            m.retain(|_, w| w.strong_count() > 0);
+            m.insert(s.cu_stream() as u64, Arc::downgrade(s));
+        }
+    }
+    /// The stream with this handle; the device's default stream for 0, or if the stream was
+    /// dropped since it was made current.
+    fn resolve(shared: &Shared<Cuda>, id: StreamId) -> Arc<CudaStream> {
+        let m = shared.ext.streams.lock().unwrap_or_else(|p| p.into_inner());
+        match m.get(&id.0).and_then(Weak::upgrade) {
+            Some(s) => s,
+            None => shared.ext.backend.context().default_stream(),
+        }
     }
 }
 
 impl Kind for Host {
     type Stream = StreamId;
     type Ext = ();
+    type StreamCache = ();
     fn stream_id(s: &StreamId) -> StreamId {
         *s
     }
     fn stream_device(_: &StreamId, d: usize) -> usize {
         d
     }
-    fn default_stream(_: &Shared<Host>) -> StreamId {
-        StreamId(0)
+    fn resolve(_: &Shared<Host>, id: StreamId) -> StreamId {
+        id
     }
 }
 
 impl Kind for Sim {
     type Stream = StreamId;
     type Ext = ();
+    type StreamCache = ();
     fn stream_id(s: &StreamId) -> StreamId {
         *s
     }
     fn stream_device(_: &StreamId, d: usize) -> usize {
         d
     }
-    fn default_stream(_: &Shared<Sim>) -> StreamId {
-        StreamId(0)
+    fn resolve(_: &Shared<Sim>, id: StreamId) -> StreamId {
+        id
     }
 }
 
@@ -103,13 +132,41 @@ pub struct Shared<K: Kind> {
     ext: K::Ext,
 }
 
+/// How buffers and handles reach their allocator: the process-wide CUDA allocators live for the
+/// whole process and are shared by reference (no reference count to bump per allocation); the
+/// others are reference counted.
+pub(crate) enum Handle<K: Kind> {
+    Static(&'static Shared<K>),
+    Owned(Arc<Shared<K>>),
+}
+
+impl<K: Kind> Clone for Handle<K> {
+    fn clone(&self) -> Self {
+        match self {
+            Handle::Static(s) => Handle::Static(s),
+            Handle::Owned(a) => Handle::Owned(a.clone()),
+        }
+    }
+}
+
+impl<K: Kind> std::ops::Deref for Handle<K> {
+    type Target = Shared<K>;
+    #[inline]
+    fn deref(&self) -> &Shared<K> {
+        match self {
+            Handle::Static(s) => s,
+            Handle::Owned(a) => a,
+        }
+    }
+}
+
 /// A device's caching allocator. Cloning gives another handle to the same allocator.
 ///
 /// `Allocator<Cuda>` (the default) comes from [`Allocator::cuda`]: one per device for the whole
 /// process, created on first use with [`Config::from_env`]. Host and simulated allocators are
 /// made with [`Allocator::host`] and [`Allocator::sim`], each its own.
 pub struct Allocator<K: Kind = Cuda> {
-    pub(crate) shared: Arc<Shared<K>>,
+    pub(crate) shared: Handle<K>,
 }
 
 impl<K: Kind> Clone for Allocator<K> {
@@ -129,16 +186,13 @@ impl<K: Kind> fmt::Debug for Allocator<K> {
 
 static NEXT_KEY: AtomicU32 = AtomicU32::new(1);
 
-fn make<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Allocator<K> {
+fn shared<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Shared<K> {
     let device = backend.device();
-    Allocator {
-        shared: Arc::new(Shared {
-            core: DeviceAllocator::new(backend, config),
-            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
-            device,
-            ext,
-        }),
-    }
+    Shared { core: DeviceAllocator::new(backend, config), key: NEXT_KEY.fetch_add(1, Ordering::Relaxed), device, ext }
+}
+
+fn make<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Allocator<K> {
+    Allocator { shared: Handle::Owned(Arc::new(shared(backend, config, ext))) }
 }
 
 type CudaSlots = Vec<Mutex<Option<Allocator<Cuda>>>>;
@@ -168,7 +222,9 @@ impl Allocator<Cuda> {
         }
         let config = Config::from_env()?;
         let backend = Arc::new(CudaBackend::new(ordinal)?);
-        let a = make::<Cuda>(backend.clone(), config, backend);
+        let ext = CudaExt { backend: backend.clone(), streams: Mutex::new(HashMap::new()) };
+        // Lives for the rest of the process, like the device itself.
+        let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
         *slot = Some(a.clone());
         Ok(a)
     }
@@ -183,7 +239,7 @@ impl Allocator<Cuda> {
 
     /// The cudarc context of this device.
     pub fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
-        self.shared.ext.context()
+        self.shared.ext.backend.context()
     }
 }
 
@@ -225,14 +281,19 @@ impl<K: Kind> Allocator<K> {
     /// This thread's current stream for this device (the default stream unless a
     /// [`StreamGuard`] says otherwise).
     pub fn current_stream(&self) -> K::Stream {
-        let shared = &*self.shared;
-        stream::current(shared.key, || K::default_stream(shared))
+        K::resolve(&self.shared, self.current_stream_id())
+    }
+
+    /// The id of this thread's current stream for this device.
+    pub fn current_stream_id(&self) -> StreamId {
+        stream::current(self.shared.key)
     }
 
     /// Makes `stream` this thread's current stream for this device until the guard drops.
     pub fn set_stream(&self, stream: &K::Stream) -> Result<StreamGuard> {
         self.check_device(stream, "set_stream")?;
-        Ok(StreamGuard::new(self.shared.key, stream.clone()))
+        K::register(&self.shared, stream);
+        Ok(StreamGuard::new(self.shared.key, K::stream_id(stream)))
     }
 
     pub(crate) fn check_device(&self, stream: &K::Stream, what: &'static str) -> Result<()> {
@@ -253,7 +314,7 @@ impl<K: Kind> Allocator<K> {
     pub fn alloc_zeros<T>(&self, len: usize) -> Result<Buffer<T, K>> {
         let b = self.alloc::<T>(len)?;
         if b.num_bytes() > 0 {
-            let stream = K::stream_id(b.stream());
+            let stream = b.stream_id();
             self.shared
                 .core
                 .backend()
@@ -266,19 +327,18 @@ impl<K: Kind> Allocator<K> {
     pub(crate) fn alloc_in<T>(&self, len: usize, pool: PoolId) -> Result<Buffer<T, K>> {
         let elem = std::mem::size_of::<T>();
         let bytes = len.checked_mul(elem).ok_or(Error::SizeOverflow { len, elem_size: elem })?;
-        let stream = self.current_stream();
+        let stream = self.current_stream_id();
         if bytes == 0 {
             return Ok(Buffer::empty(self.shared.clone(), len, stream));
         }
-        let a = self.shared.core.malloc(bytes, K::stream_id(&stream), pool)?;
+        let a = self.shared.core.malloc(bytes, stream, pool)?;
         Ok(Buffer::new(self.shared.clone(), a, len, stream))
     }
 
     /// `size` bytes on the current stream, as a raw device address for FFI; give it back with
     /// [`free_bytes`](Self::free_bytes). `size == 0` returns 0.
     pub fn alloc_bytes(&self, size: usize) -> Result<u64> {
-        let stream = self.current_stream();
-        self.shared.core.malloc_raw(size, K::stream_id(&stream), PoolId::DEFAULT)
+        self.shared.core.malloc_raw(size, self.current_stream_id(), PoolId::DEFAULT)
     }
 
     /// Gives back an address from [`alloc_bytes`](Self::alloc_bytes). A foreign or already freed

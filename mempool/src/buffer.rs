@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 
-use crate::allocator::{Cuda, Kind, Shared};
+use crate::allocator::{Cuda, Handle, Kind};
+use crate::backend::StreamId;
 use crate::caching::Allocation;
 use crate::error::Result;
 
@@ -31,21 +32,31 @@ const NO_BLOCK: u32 = u32::MAX;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub struct Buffer<T, K: Kind = Cuda> {
-    shared: Arc<Shared<K>>,
+    shared: Handle<K>,
     block: u32,
     ptr: u64,
     len: usize,
-    stream: K::Stream,
+    stream: StreamId,
+    /// cudarc's `Arc<CudaStream>` for [`DeviceSlice::stream`], found on first use.
+    stream_cache: K::StreamCache,
     _elem: PhantomData<T>,
 }
 
 impl<T, K: Kind> Buffer<T, K> {
-    pub(crate) fn new(shared: Arc<Shared<K>>, a: Allocation, len: usize, stream: K::Stream) -> Self {
-        Buffer { shared, block: a.block, ptr: a.addr, len, stream, _elem: PhantomData }
+    pub(crate) fn new(shared: Handle<K>, a: Allocation, len: usize, stream: StreamId) -> Self {
+        Buffer {
+            shared,
+            block: a.block,
+            ptr: a.addr,
+            len,
+            stream,
+            stream_cache: Default::default(),
+            _elem: PhantomData,
+        }
     }
 
-    pub(crate) fn empty(shared: Arc<Shared<K>>, len: usize, stream: K::Stream) -> Self {
-        Buffer { shared, block: NO_BLOCK, ptr: 0, len, stream, _elem: PhantomData }
+    pub(crate) fn empty(shared: Handle<K>, len: usize, stream: StreamId) -> Self {
+        Buffer { shared, block: NO_BLOCK, ptr: 0, len, stream, stream_cache: Default::default(), _elem: PhantomData }
     }
 
     /// Number of elements.
@@ -68,9 +79,9 @@ impl<T, K: Kind> Buffer<T, K> {
         self.ptr
     }
 
-    /// The stream it was allocated on.
-    pub fn stream(&self) -> &K::Stream {
-        &self.stream
+    /// The id of the stream it was allocated on.
+    pub fn stream_id(&self) -> StreamId {
+        self.stream
     }
 
     /// The device index.
@@ -122,8 +133,9 @@ impl<T, K: Kind> fmt::Debug for Buffer<T, K> {
 
 impl<T> Buffer<T, Cuda> {
     fn use_on(&self, stream: &CudaStream) {
-        if stream.cu_stream() != self.stream.cu_stream() && stream.context().ordinal() == self.shared.device {
-            self.note_use(crate::StreamId(stream.cu_stream() as u64));
+        let id = StreamId(stream.cu_stream() as u64);
+        if id != self.stream && stream.context().ordinal() == self.shared.device {
+            self.note_use(id);
         }
     }
 }
@@ -133,8 +145,10 @@ impl<T> DeviceSlice<T> for Buffer<T, Cuda> {
         self.len
     }
 
+    /// The stream the buffer was allocated on (the device's default stream if that stream has
+    /// been dropped since).
     fn stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+        self.stream_cache.get_or_init(|| Cuda::resolve(&self.shared, self.stream))
     }
 }
 

@@ -18,24 +18,120 @@ pub struct Stat {
     pub freed: u64,
 }
 
-impl Stat {
+/// The allocator's own counters: all, small and large side by side in arrays, so an update is a
+/// few branch-free instructions (this runs several times per allocation). `freed` is derived as
+/// `allocated - current` when the public [`MemoryStats`] is made.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Tally {
+    cur: [i64; 3],
+    peak: [i64; 3],
+    total: [u64; 3],
+}
+
+impl Tally {
     #[inline]
-    pub(crate) fn add(&mut self, n: usize) {
-        self.current += n as i64;
-        self.allocated += n as u64;
-        if self.current > self.peak {
-            self.peak = self.current;
-        }
+    pub(crate) fn add(&mut self, small: bool, n: usize) {
+        let i = 2 - small as usize;
+        let n = n as i64;
+        self.cur[0] += n;
+        self.cur[i] += n;
+        self.total[0] += n as u64;
+        self.total[i] += n as u64;
+        self.peak[0] = self.peak[0].max(self.cur[0]);
+        self.peak[i] = self.peak[i].max(self.cur[i]);
     }
 
     #[inline]
-    pub(crate) fn sub(&mut self, n: usize) {
-        self.current -= n as i64;
-        self.freed += n as u64;
+    pub(crate) fn sub(&mut self, small: bool, n: usize) {
+        let i = 2 - small as usize;
+        self.cur[0] -= n as i64;
+        self.cur[i] -= n as i64;
+    }
+
+    /// The current value over all blocks.
+    #[inline]
+    pub(crate) fn current(&self) -> i64 {
+        self.cur[0]
     }
 
     fn reset_peak(&mut self) {
-        self.peak = self.current;
+        self.peak = self.cur;
+    }
+
+    fn stat(&self, i: usize) -> Stat {
+        Stat {
+            current: self.cur[i],
+            peak: self.peak[i],
+            allocated: self.total[i],
+            freed: self.total[i] - self.cur[i] as u64,
+        }
+    }
+
+    fn array(&self) -> StatArray {
+        StatArray { all: self.stat(0), small_pool: self.stat(1), large_pool: self.stat(2) }
+    }
+}
+
+/// Every counter of one allocator (see [`MemoryStats`] for their meaning).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Counters {
+    pub(crate) allocation: Tally,
+    pub(crate) segment: Tally,
+    pub(crate) active: Tally,
+    pub(crate) inactive_split: Tally,
+    pub(crate) allocated_bytes: Tally,
+    pub(crate) reserved_bytes: Tally,
+    pub(crate) active_bytes: Tally,
+    pub(crate) inactive_split_bytes: Tally,
+    pub(crate) requested_bytes: Tally,
+    pub(crate) num_alloc_retries: u64,
+    pub(crate) num_ooms: u64,
+    pub(crate) num_sync_all_streams: u64,
+    pub(crate) num_device_alloc: u64,
+    pub(crate) num_device_free: u64,
+    pub(crate) oversize_allocations: Tally,
+    pub(crate) oversize_segments: Tally,
+}
+
+impl Counters {
+    pub(crate) fn reset_peak(&mut self) {
+        for t in [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+            &mut self.oversize_allocations,
+            &mut self.oversize_segments,
+        ] {
+            t.reset_peak();
+        }
+    }
+
+    pub(crate) fn report(&self, max_split_size: usize) -> MemoryStats {
+        MemoryStats {
+            allocation: self.allocation.array(),
+            segment: self.segment.array(),
+            active: self.active.array(),
+            inactive_split: self.inactive_split.array(),
+            allocated_bytes: self.allocated_bytes.array(),
+            reserved_bytes: self.reserved_bytes.array(),
+            active_bytes: self.active_bytes.array(),
+            inactive_split_bytes: self.inactive_split_bytes.array(),
+            requested_bytes: self.requested_bytes.array(),
+            num_alloc_retries: self.num_alloc_retries,
+            num_ooms: self.num_ooms,
+            num_sync_all_streams: self.num_sync_all_streams,
+            num_device_alloc: self.num_device_alloc,
+            num_device_free: self.num_device_free,
+            oversize_allocations: self.oversize_allocations.stat(0),
+            oversize_segments: self.oversize_segments.stat(0),
+            max_split_size,
+        }
     }
 }
 
@@ -48,34 +144,6 @@ pub struct StatArray {
     pub small_pool: Stat,
     /// Blocks of large segments.
     pub large_pool: Stat,
-}
-
-impl StatArray {
-    #[inline]
-    pub(crate) fn add(&mut self, small: bool, n: usize) {
-        self.all.add(n);
-        if small {
-            self.small_pool.add(n)
-        } else {
-            self.large_pool.add(n)
-        }
-    }
-
-    #[inline]
-    pub(crate) fn sub(&mut self, small: bool, n: usize) {
-        self.all.sub(n);
-        if small {
-            self.small_pool.sub(n)
-        } else {
-            self.large_pool.sub(n)
-        }
-    }
-
-    fn reset_peak(&mut self) {
-        self.all.reset_peak();
-        self.small_pool.reset_peak();
-        self.large_pool.reset_peak();
-    }
 }
 
 /// What `memory_stats()` returns. Field names follow PyTorch's keys.
@@ -118,24 +186,6 @@ pub struct MemoryStats {
 }
 
 impl MemoryStats {
-    pub(crate) fn reset_peak(&mut self) {
-        for a in [
-            &mut self.allocation,
-            &mut self.segment,
-            &mut self.active,
-            &mut self.inactive_split,
-            &mut self.allocated_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.inactive_split_bytes,
-            &mut self.requested_bytes,
-        ] {
-            a.reset_peak();
-        }
-        self.oversize_allocations.reset_peak();
-        self.oversize_segments.reset_peak();
-    }
-
     /// The stats as PyTorch's flat dictionary: `"allocated_bytes.all.current"` and so on.
     pub fn as_map(&self) -> BTreeMap<String, i64> {
         let mut m = BTreeMap::new();

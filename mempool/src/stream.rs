@@ -10,39 +10,31 @@
 //!     let _guard = alloc.set_stream(&side)?;
 //!     assert_eq!(alloc.current_stream(), side);
 //!     let b = alloc.alloc::<u8>(100)?;
-//!     assert_eq!(*b.stream(), side);
+//!     assert_eq!(b.stream_id(), side);
 //! }
 //! assert_eq!(alloc.current_stream(), mempool::StreamId(0));
 //! # Ok::<(), mempool::Error>(())
 //! ```
 
-use std::any::Any;
 use std::cell::RefCell;
 use std::marker::PhantomData;
 
+use crate::backend::StreamId;
+
 thread_local! {
-    /// `(allocator key, current stream)`: a handful of entries, one per allocator this thread used.
-    static CURRENT: RefCell<Vec<(u32, Box<dyn Any>)>> = const { RefCell::new(Vec::new()) };
+    /// `(allocator key, current stream)`: a handful of entries, one per allocator this thread set
+    /// a stream for. No entry: the default stream, `StreamId(0)`.
+    static CURRENT: RefCell<Vec<(u32, StreamId)>> = const { RefCell::new(Vec::new()) };
 }
 
-/// This thread's current stream for allocator `key`; `default` makes the first one.
-pub(crate) fn current<S: Clone + 'static>(key: u32, default: impl FnOnce() -> S) -> S {
-    CURRENT.with(|c| {
-        let mut c = c.borrow_mut();
-        if let Some((_, s)) = c.iter().find(|(k, _)| *k == key) {
-            if let Some(s) = s.downcast_ref::<S>() {
-                return s.clone();
-            }
-        }
-        let s = default();
-        c.retain(|(k, _)| *k != key);
-        c.push((key, Box::new(s.clone())));
-        s
-    })
+/// This thread's current stream for allocator `key`.
+#[inline]
+pub(crate) fn current(key: u32) -> StreamId {
+    CURRENT.with(|c| c.borrow().iter().rev().find(|(k, _)| *k == key).map_or(StreamId(0), |(_, s)| *s))
 }
 
-/// Replaces the current stream for `key`, returning the previous one (if any).
-fn replace(key: u32, s: Option<Box<dyn Any>>) -> Option<Box<dyn Any>> {
+/// Sets the current stream for `key` (None: back to the default), returning the previous one.
+fn replace(key: u32, s: Option<StreamId>) -> Option<StreamId> {
     CURRENT.with(|c| {
         let mut c = c.borrow_mut();
         let pos = c.iter().position(|(k, _)| *k == key);
@@ -59,14 +51,14 @@ fn replace(key: u32, s: Option<Box<dyn Any>>) -> Option<Box<dyn Any>> {
 #[must_use = "the stream is current only while the guard lives"]
 pub struct StreamGuard {
     key: u32,
-    prev: Option<Box<dyn Any>>,
+    prev: Option<StreamId>,
     // The setting is per thread: the guard must be dropped on the thread that made it.
     _not_send: PhantomData<*const ()>,
 }
 
 impl StreamGuard {
-    pub(crate) fn new<S: 'static>(key: u32, s: S) -> StreamGuard {
-        let prev = replace(key, Some(Box::new(s)));
+    pub(crate) fn new(key: u32, s: StreamId) -> StreamGuard {
+        let prev = replace(key, Some(s));
         StreamGuard { key, prev, _not_send: PhantomData }
     }
 }
@@ -79,6 +71,6 @@ impl Drop for StreamGuard {
 
 impl std::fmt::Debug for StreamGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamGuard").field("allocator", &self.key).finish()
+        f.debug_struct("StreamGuard").field("allocator", &self.key).field("restores", &self.prev).finish()
     }
 }

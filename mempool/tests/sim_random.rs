@@ -43,7 +43,7 @@ fn run_random(seed: u64, steps: usize, config: Config) {
                 }
                 match a.alloc::<u8>(size) {
                     Ok(b) => {
-                        assert_eq!(*b.stream(), s);
+                        assert_eq!(b.stream_id(), s);
                         live.push(b);
                     }
                     Err(mempool::Error::OutOfMemory(_)) => ooms += 1,
@@ -125,7 +125,7 @@ fn eight_threads_hammering_one_allocator() {
                     match rng.below(10) {
                         0..=4 => {
                             if let Ok(b) = a.alloc::<u8>(rng.size(18)) {
-                                assert_eq!(*b.stream(), my_stream);
+                                assert_eq!(b.stream_id(), my_stream);
                                 assert!(owners.insert(b.device_ptr_raw(), t).is_none(), "address handed out twice");
                                 live.push(b);
                             }

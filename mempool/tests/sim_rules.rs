@@ -159,7 +159,7 @@ fn blocks_are_reused_only_on_their_stream() {
         let _g = a.set_stream(&s1).unwrap();
         a.alloc::<u8>(4096).unwrap()
     };
-    assert_eq!(*y.stream(), s1);
+    assert_eq!(y.stream_id(), s1);
     assert_ne!(y.device_ptr_raw(), xa, "a block cached for stream 0 was handed to stream 1");
     assert_eq!(sim.live_segments().len(), 2);
     let z = a.alloc::<u8>(4096).unwrap();

@@ -2,7 +2,7 @@
 //! PyTorch's allocator are measured on the same work in the same run.
 //!
 //! ```text
-//! mempool-bench latency [--backend sim|host|cuda]
+//! mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]
 //! mempool-bench replay <trace>... [--backend sim|host|cuda]
 //! ```
 //! `latency` prints `pair <bytes> <ns>` and `mixed <live> <ns>` lines (through `Buffer`), then the
@@ -18,10 +18,15 @@ use mempool::{Allocator, Buffer, Kind};
 
 const PAIR_SIZES: [usize; 5] = [512, 4096, 1 << 20, 8 << 20, 64 << 20];
 const WARMUP: usize = 1_000;
-const TIMED: usize = 200_000;
 const MIXED_LIVE: [usize; 2] = [16, 256];
 
 /// xorshift64 with the anchors' seed and sizes.
+/// Timed iterations: 200,000 as the anchors define; `MEMPOOL_BENCH_ITERS` overrides it for
+/// quick profiling runs (figures from such runs do not compare with the anchors').
+fn timed() -> usize {
+    std::env::var("MEMPOOL_BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000)
+}
+
 struct Rng(u64);
 
 impl Rng {
@@ -42,10 +47,10 @@ fn pair<K: Kind>(a: &Allocator<K>, size: usize) -> f64 {
         drop(a.alloc::<u8>(size).expect("alloc"));
     }
     let t = Instant::now();
-    for _ in 0..TIMED {
+    for _ in 0..timed() {
         drop(a.alloc::<u8>(size).expect("alloc"));
     }
-    t.elapsed().as_nanos() as f64 / TIMED as f64
+    t.elapsed().as_nanos() as f64 / timed() as f64
 }
 
 fn pair_raw<K: Kind>(a: &Allocator<K>, size: usize) -> f64 {
@@ -53,51 +58,56 @@ fn pair_raw<K: Kind>(a: &Allocator<K>, size: usize) -> f64 {
         a.free_bytes(a.alloc_bytes(size).expect("alloc")).expect("free");
     }
     let t = Instant::now();
-    for _ in 0..TIMED {
+    for _ in 0..timed() {
         a.free_bytes(a.alloc_bytes(size).expect("alloc")).expect("free");
     }
-    t.elapsed().as_nanos() as f64 / TIMED as f64
+    t.elapsed().as_nanos() as f64 / timed() as f64
 }
 
 fn mixed<K: Kind>(a: &Allocator<K>, live: usize) -> f64 {
     let mut rng = Rng(42);
     let mut v: Vec<Option<Buffer<u8, K>>> = (0..live).map(|_| Some(a.alloc(rng.size()).expect("alloc"))).collect();
     let t = Instant::now();
-    for _ in 0..TIMED {
+    for _ in 0..timed() {
         let k = (rng.next() % live as u64) as usize;
         v[k] = None; // free first, as the anchor does
         v[k] = Some(a.alloc(rng.size()).expect("alloc"));
     }
-    t.elapsed().as_nanos() as f64 / TIMED as f64
+    t.elapsed().as_nanos() as f64 / timed() as f64
 }
 
 fn mixed_raw<K: Kind>(a: &Allocator<K>, live: usize) -> f64 {
     let mut rng = Rng(42);
     let mut v: Vec<u64> = (0..live).map(|_| a.alloc_bytes(rng.size()).expect("alloc")).collect();
     let t = Instant::now();
-    for _ in 0..TIMED {
+    for _ in 0..timed() {
         let k = (rng.next() % live as u64) as usize;
         a.free_bytes(v[k]).expect("free");
         v[k] = a.alloc_bytes(rng.size()).expect("alloc");
     }
-    let ns = t.elapsed().as_nanos() as f64 / TIMED as f64;
+    let ns = t.elapsed().as_nanos() as f64 / timed() as f64;
     for p in v {
         a.free_bytes(p).expect("free");
     }
     ns
 }
 
-fn latency<K: Kind>(a: &Allocator<K>) {
-    for s in PAIR_SIZES {
+/// Runs the rows whose kind (`pair`, `mixed`, `pair-raw`, `mixed-raw`) is in `only` (all if empty).
+fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
+    let want = |k: &str| only.is_empty() || only.iter().any(|o| o == k);
+    for s in PAIR_SIZES.into_iter().filter(|_| want("pair")) {
         println!("pair {s} {:.1}", pair(a, s));
     }
-    for l in MIXED_LIVE {
-        println!("mixed {l} {:.1}", mixed(a, l));
+    for l in MIXED_LIVE.into_iter().filter(|_| want("mixed")) {
+        let before = a.memory_stats().num_device_alloc;
+        let ns = mixed(a, l);
+        println!("mixed {l} {ns:.1}");
+        eprintln!("mixed {l}: {} segment allocations", a.memory_stats().num_device_alloc - before);
     }
-    for s in PAIR_SIZES {
+    for s in PAIR_SIZES.into_iter().filter(|_| want("pair-raw")) {
         println!("pair-raw {s} {:.1}", pair_raw(a, s));
     }
-    for l in MIXED_LIVE {
+    for l in MIXED_LIVE.into_iter().filter(|_| want("mixed-raw")) {
         println!("mixed-raw {l} {:.1}", mixed_raw(a, l));
     }
 }
@@ -164,7 +174,7 @@ fn replay<K: Kind>(a: &Allocator<K>, path: &str) -> Result<(), String> {
 fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String]) -> Result<(), String> {
     match cmd {
         "latency" => {
-            latency(&a);
+            latency(&a, args);
             Ok(())
         }
         "replay" if !args.is_empty() => args.iter().try_for_each(|t| replay(&a, t)),
@@ -173,7 +183,7 @@ fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String]) -> Result<(), Strin
 }
 
 fn usage() -> String {
-    "usage: mempool-bench latency [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]".into()
+    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]".into()
 }
 
 fn main() -> ExitCode {

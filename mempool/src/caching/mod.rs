@@ -7,9 +7,10 @@
 //! large), ordered by size then address, so the best fit is the first block at or above the
 //! requested size.
 
+mod freeset;
 pub(crate) mod rounding;
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -17,7 +18,8 @@ use crate::backend::{Backend, BackendError, EventId, StreamId};
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
-use crate::stats::MemoryStats;
+use crate::stats::{Counters, MemoryStats};
+use freeset::{key, key_idx, FreeSet};
 use rounding::{is_small, round_size, segment_size, should_split};
 
 /// Identifies a memory pool of a device. [`PoolId::DEFAULT`] is the default caching pools.
@@ -64,8 +66,10 @@ struct Block {
     prev: u32,
     next: u32,
     state: BlockState,
-    /// Streams other than the segment's that used this block.
-    uses: Vec<StreamId>,
+    /// Whether its segment is small (a copy, so the hot path needs no segment lookup).
+    small: bool,
+    /// Whether `State::uses` lists other streams that used it.
+    has_uses: bool,
     /// Events still to complete before the block is free.
     pending: u32,
 }
@@ -92,29 +96,8 @@ struct Segment {
 
 type SetKey = (PoolId, StreamId, bool);
 
-/// Free blocks ordered by size, then address. The key packs (size, address, block index) into
-/// one `u128` (40, 56 and 32 bits), which compares in two instructions instead of three tuple
-/// fields: the set is the allocator's hot path.
-#[derive(Debug)]
-struct FreeSet {
-    blocks: BTreeSet<u128>,
-}
-
-/// Largest block size the packed key holds (1 TiB); larger requests are refused up front.
+/// Largest block size the packed free-set key holds (1 TiB); larger requests are refused up front.
 pub(crate) const MAX_BLOCK: usize = (1 << 40) - 1;
-
-fn key(size: usize, addr: u64, idx: u32) -> u128 {
-    debug_assert!(size <= MAX_BLOCK && addr < (1 << 56));
-    ((size as u128) << 88) | ((addr as u128) << 32) | idx as u128
-}
-
-fn key_size(k: u128) -> usize {
-    (k >> 88) as usize
-}
-
-fn key_idx(k: u128) -> u32 {
-    k as u32
-}
 
 /// Everything behind the allocator's lock.
 #[derive(Debug)]
@@ -127,9 +110,13 @@ struct State {
     free_segments: Vec<u32>,
     sets: Vec<FreeSet>,
     set_index: IdMap<SetKey, u32>,
+    /// The set of the last allocation: most programs allocate on one stream at a time.
+    last_set: (SetKey, u32),
     pending: Vec<(EventId, u32)>,
     raw: IdMap<u64, u32>,
-    stats: MemoryStats,
+    /// Streams other than its segment's that used a block (only blocks with `has_uses`).
+    uses: IdMap<u32, Vec<StreamId>>,
+    stats: Counters,
     tick: u64,
     error: Option<Error>,
 }
@@ -150,7 +137,7 @@ pub(crate) struct Allocation {
 impl DeviceAllocator {
     pub(crate) fn new(backend: Arc<dyn Backend>, config: Config) -> DeviceAllocator {
         let limit = limit_for(&*backend, config.memory_fraction);
-        let stats = MemoryStats { max_split_size: config.max_split_size, ..Default::default() };
+        let stats = Counters::default();
         DeviceAllocator {
             backend,
             state: Mutex::new(State {
@@ -162,8 +149,10 @@ impl DeviceAllocator {
                 free_segments: Vec::new(),
                 sets: Vec::new(),
                 set_index: IdMap::default(),
+                last_set: ((PoolId(u64::MAX), StreamId(u64::MAX), false), 0),
                 pending: Vec::new(),
                 raw: IdMap::default(),
+                uses: IdMap::default(),
                 stats,
                 tick: 0,
                 error: None,
@@ -184,8 +173,8 @@ impl DeviceAllocator {
     /// Allocates `size` bytes (`size > 0`) for `stream` from `pool`.
     pub(crate) fn malloc(&self, size: usize, stream: StreamId, pool: PoolId) -> Result<Allocation> {
         let mut st = self.lock();
-        if let Some(e) = st.error.take() {
-            return Err(e);
+        if st.error.is_some() {
+            return Err(st.error.take().expect("checked"));
         }
         let be = &*self.backend;
         if !st.pending.is_empty() {
@@ -217,11 +206,15 @@ impl DeviceAllocator {
     pub(crate) fn record_stream(&self, block: u32, stream: StreamId) -> bool {
         let mut st = self.lock();
         let seg_stream = st.segments[st.blocks[block as usize].seg as usize].stream;
-        let b = &mut st.blocks[block as usize];
-        if stream == seg_stream || b.uses.contains(&stream) {
+        if stream == seg_stream {
             return false;
         }
-        b.uses.push(stream);
+        st.blocks[block as usize].has_uses = true;
+        let uses = st.uses.entry(block).or_default();
+        if uses.contains(&stream) {
+            return false;
+        }
+        uses.push(stream);
         true
     }
 
@@ -267,7 +260,8 @@ impl DeviceAllocator {
     }
 
     pub(crate) fn stats(&self) -> MemoryStats {
-        self.lock().stats.clone()
+        let st = self.lock();
+        st.stats.report(st.config.max_split_size)
     }
 
     pub(crate) fn reset_peak_stats(&self) {
@@ -333,16 +327,23 @@ fn limit_for(backend: &dyn Backend, fraction: f64) -> Option<usize> {
 }
 
 impl State {
+    #[inline]
     fn set_for(&mut self, pool: PoolId, stream: StreamId, small: bool) -> u32 {
-        if let Some(&i) = self.set_index.get(&(pool, stream, small)) {
+        let k = (pool, stream, small);
+        if self.last_set.0 == k {
+            return self.last_set.1;
+        }
+        if let Some(&i) = self.set_index.get(&k) {
+            self.last_set = (k, i);
             return i;
         }
         let i = self.sets.len() as u32;
-        self.sets.push(FreeSet { blocks: BTreeSet::new() });
+        self.sets.push(FreeSet::new());
         self.set_index.insert((pool, stream, small), i);
         i
     }
 
+    #[inline]
     fn new_block(&mut self, b: Block) -> u32 {
         match self.free_blocks.pop() {
             Some(i) => {
@@ -356,43 +357,39 @@ impl State {
         }
     }
 
-    fn seg_small(&self, block: u32) -> bool {
-        self.segments[self.blocks[block as usize].seg as usize].small
-    }
-
     /// The best fitting free block of the set, removed from it; PyTorch's rule: the smallest block
     /// at or above `size`, unless it is an unsplittable oversize block that would waste too much.
+    #[inline]
     fn best_fit(&mut self, set: u32, size: usize) -> Option<u32> {
         let max_split = self.config.max_split_size;
-        let s = &mut self.sets[set as usize];
-        let &k = s.blocks.range(key(size, 0, 0)..).next()?;
-        let block = key_size(k);
-        if (size < max_split && block >= max_split) || (size >= max_split && block >= size + rounding::LARGE_BUFFER) {
-            return None;
-        }
-        s.blocks.remove(&k);
+        let k = self.sets[set as usize].take_best_fit(size, |block| {
+            !((size < max_split && block >= max_split) || (size >= max_split && block >= size + rounding::LARGE_BUFFER))
+        })?;
         Some(key_idx(k))
     }
 
+    #[inline]
     fn insert_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
         let set = self.segments[blk.seg as usize].set;
-        self.sets[set as usize].blocks.insert(key(blk.size, blk.addr, b));
+        self.sets[set as usize].insert(key(blk.size, blk.addr, b));
     }
 
+    #[inline]
     fn remove_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
         let set = self.segments[blk.seg as usize].set;
-        self.sets[set as usize].blocks.remove(&key(blk.size, blk.addr, b));
+        self.sets[set as usize].remove(key(blk.size, blk.addr, b));
     }
 
     /// Counts (`+1`) or uncounts (`-1`) a free block in the inactive-split stats.
+    #[inline]
     fn count_inactive(&mut self, b: u32, add: bool) {
         let blk = &self.blocks[b as usize];
         if blk.state != BlockState::Free || !blk.is_split() {
             return;
         }
-        let (size, small) = (blk.size, self.seg_small(b));
+        let (size, small) = (blk.size, blk.small);
         if add {
             self.stats.inactive_split.add(small, 1);
             self.stats.inactive_split_bytes.add(small, size);
@@ -404,10 +401,11 @@ impl State {
 
     /// Hands out `block` (free, out of its set) for a request: splits off the rest if the rules
     /// say so, and counts it.
+    #[inline]
     fn take_block(&mut self, block: u32, rounded: usize, requested: usize) -> Allocation {
         self.count_inactive(block, false);
-        let small = self.seg_small(block);
         let b = &self.blocks[block as usize];
+        let small = b.small;
         if should_split(b.size, rounded, small, self.config.max_split_size) {
             let rest = Block {
                 addr: b.addr + rounded as u64,
@@ -417,7 +415,8 @@ impl State {
                 prev: block,
                 next: b.next,
                 state: BlockState::Free,
-                uses: Vec::new(),
+                small,
+                has_uses: false,
                 pending: 0,
             };
             let next = b.next;
@@ -442,7 +441,7 @@ impl State {
         s.active_bytes.add(small, size);
         s.requested_bytes.add(small, requested);
         if size >= self.config.max_split_size {
-            s.oversize_allocations.add(1);
+            s.oversize_allocations.add(false, 1);
         }
         Allocation { block, addr }
     }
@@ -508,7 +507,8 @@ impl State {
             prev: NONE,
             next: NONE,
             state: BlockState::Free,
-            uses: Vec::new(),
+            small,
+            has_uses: false,
             pending: 0,
         });
         self.segments[seg_idx as usize].head = block;
@@ -517,7 +517,7 @@ impl State {
         s.reserved_bytes.add(small, size);
         s.num_device_alloc += 1;
         if size >= self.config.max_split_size {
-            s.oversize_segments.add(1);
+            s.oversize_segments.add(false, 1);
         }
         Ok(block)
     }
@@ -530,8 +530,8 @@ impl State {
             requested,
             device_total: total,
             device_free: free,
-            allocated: self.stats.allocated_bytes.all.current as usize,
-            reserved: self.stats.reserved_bytes.all.current as usize,
+            allocated: self.stats.allocated_bytes.current() as usize,
+            reserved: self.stats.reserved_bytes.current() as usize,
             limit: self.limit,
         }))
     }
@@ -539,25 +539,30 @@ impl State {
     /// The backend's allocation, refused up front when it would pass the memory-fraction limit.
     fn raw_alloc(&mut self, be: &dyn Backend, size: usize, stream: StreamId) -> Result<u64, BackendError> {
         if let Some(limit) = self.limit {
-            if self.stats.reserved_bytes.all.current as usize + size > limit {
+            if self.stats.reserved_bytes.current() as usize + size > limit {
                 return Err(BackendError::OutOfMemory);
             }
         }
         be.alloc_segment(size, stream)
     }
 
+    #[inline]
     fn free(&mut self, be: &dyn Backend, block: u32) {
-        let small = self.seg_small(block);
         let b = &mut self.blocks[block as usize];
         debug_assert_eq!(b.state, BlockState::Allocated);
-        let (size, requested) = (b.size, b.requested);
-        let uses = std::mem::take(&mut b.uses);
+        let (size, requested, small) = (b.size, b.requested, b.small);
+        let uses = if b.has_uses {
+            b.has_uses = false;
+            self.uses.remove(&block).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         let s = &mut self.stats;
         s.allocation.sub(small, 1);
         s.allocated_bytes.sub(small, size);
         s.requested_bytes.sub(small, requested);
         if size >= self.config.max_split_size {
-            s.oversize_allocations.sub(1);
+            s.oversize_allocations.sub(false, 1);
         }
         if uses.is_empty() {
             self.free_block(block);
@@ -583,9 +588,10 @@ impl State {
     }
 
     /// Makes a block free, merging it with free neighbours, and files it in its set.
+    #[inline]
     fn free_block(&mut self, block: u32) {
-        let small = self.seg_small(block);
         let b = &mut self.blocks[block as usize];
+        let small = b.small;
         let size = b.size;
         b.state = BlockState::Free;
         b.requested = 0;
@@ -616,6 +622,7 @@ impl State {
     }
 
     /// Merges `b`'s successor into `b`; neither may be in a set.
+    #[inline]
     fn merge_next_into(&mut self, b: u32) {
         let n = self.blocks[b as usize].next;
         let (nsize, nnext) = (self.blocks[n as usize].size, self.blocks[n as usize].next);
@@ -624,7 +631,6 @@ impl State {
         if nnext != NONE {
             self.blocks[nnext as usize].prev = b;
         }
-        self.blocks[n as usize].uses = Vec::new();
         self.free_blocks.push(n);
     }
 
@@ -715,7 +721,7 @@ impl State {
         st.reserved_bytes.sub(small, size);
         st.num_device_free += 1;
         if size >= self.config.max_split_size {
-            st.oversize_segments.sub(1);
+            st.oversize_segments.sub(false, 1);
         }
     }
 
@@ -725,7 +731,7 @@ impl State {
     fn garbage_collect(&mut self, be: &dyn Backend) {
         let Some(limit) = self.limit else { return };
         let threshold = (self.config.garbage_collection_threshold * limit as f64) as usize;
-        let reserved = |st: &State| st.stats.reserved_bytes.all.current as usize;
+        let reserved = |st: &State| st.stats.reserved_bytes.current() as usize;
         if reserved(self) <= threshold {
             return;
         }
