@@ -34,7 +34,9 @@ const SUB_BITS: u32 = 4;
 const SUB: usize = 1 << SUB_BITS;
 /// Enough classes for every size up to `MAX_BLOCK` (2^40 bytes, i.e. 2^31 units of 512).
 const CLASSES: usize = EXACT + (31 - 6 + 1) * SUB;
-const WORDS: usize = CLASSES.div_ceil(64);
+/// Bins allocated: a power of two at least `CLASSES`, so masked indices need no bounds checks.
+const SLOTS: usize = CLASSES.next_power_of_two();
+const WORDS: usize = SLOTS / 64;
 /// A bin with more entries than this becomes a tree.
 const TREE_AT: usize = 256;
 
@@ -46,31 +48,52 @@ fn class_of(size: usize) -> usize {
     }
     let e = usize::BITS - 1 - units.leading_zeros(); // >= 6
     let sub = (units >> (e - SUB_BITS)) & (SUB - 1);
-    EXACT + (e as usize - 6) * SUB + sub
-}
-
-#[derive(Debug)]
-enum Bin {
-    Sorted(Vec<Key>),
-    Tree(BTreeSet<Key>),
-}
-
-#[derive(Clone, Copy)]
-enum Pos {
-    At(usize),
-    Key(Key),
+    (EXACT + (e as usize - 6) * SUB + sub) & (SLOTS - 1)
 }
 
 /// Free blocks of one (pool, stream, small/large).
 #[derive(Debug)]
 pub(super) struct FreeSet {
-    bins: Vec<Bin>,
+    /// Sorted bins; a bin whose bit is set in `tree` lives in `trees` instead.
+    bins: Box<[Vec<Key>; SLOTS]>,
+    trees: Vec<(usize, BTreeSet<Key>)>,
     nonempty: [u64; WORDS],
+    tree: [u64; WORDS],
+}
+
+#[inline]
+fn bit(words: &[u64; WORDS], c: usize) -> bool {
+    words[(c / 64) & (WORDS - 1)] & (1 << (c % 64)) != 0
+}
+
+#[inline]
+fn set_bit(words: &mut [u64; WORDS], c: usize, on: bool) {
+    let w = &mut words[(c / 64) & (WORDS - 1)];
+    if on {
+        *w |= 1 << (c % 64);
+    } else {
+        *w &= !(1 << (c % 64));
+    }
 }
 
 impl FreeSet {
     pub(super) fn new() -> FreeSet {
-        FreeSet { bins: (0..CLASSES).map(|_| Bin::Sorted(Vec::new())).collect(), nonempty: [0; WORDS] }
+        let bins: Box<[Vec<Key>]> = (0..SLOTS).map(|_| Vec::new()).collect();
+        FreeSet {
+            bins: bins.try_into().expect("SLOTS bins"),
+            trees: Vec::new(),
+            nonempty: [0; WORDS],
+            tree: [0; WORDS],
+        }
+    }
+
+    fn tree_mut(&mut self, c: usize) -> &mut BTreeSet<Key> {
+        let i = self.trees.iter().position(|(b, _)| *b == c).expect("tree bin listed");
+        &mut self.trees[i].1
+    }
+
+    fn tree_ref(&self, c: usize) -> &BTreeSet<Key> {
+        &self.trees.iter().find(|(b, _)| *b == c).expect("tree bin listed").1
     }
 
     /// The smallest entry whose size is at least `size` (lowest address among equals), removed
@@ -79,46 +102,34 @@ impl FreeSet {
     pub(super) fn take_best_fit(&mut self, size: usize, accept: impl FnOnce(usize) -> bool) -> Option<Key> {
         let c = class_of(size);
         let k = key(size, 0, 0);
-        let (bin, pos) = match self.position_at_or_above(c, k) {
-            Some(p) => (c, p),
+        let (bin, found) = match self.first_at_or_above(c, k) {
+            Some(f) => (c, f),
             None => {
                 let next = self.next_nonempty(c + 1)?;
-                (next, self.position_at_or_above(next, 0)?)
+                (next, self.first_at_or_above(next, 0)?)
             }
-        };
-        let found = match (&self.bins[bin], pos) {
-            (Bin::Sorted(v), Pos::At(i)) => v[i],
-            (_, Pos::Key(k)) => k,
-            (Bin::Tree(_), Pos::At(_)) => unreachable!("trees answer with keys"),
         };
         if !accept(key_size(found)) {
             return None;
         }
-        match (&mut self.bins[bin], pos) {
-            (Bin::Sorted(v), Pos::At(i)) => {
-                v.remove(i);
-            }
-            (Bin::Tree(t), _) => {
-                t.remove(&found);
-            }
-            (Bin::Sorted(_), Pos::Key(_)) => unreachable!("sorted bins answer with positions"),
-        }
-        self.after_remove(bin);
+        self.remove_from(bin, found);
         Some(found)
     }
 
     #[inline]
-    fn position_at_or_above(&self, c: usize, k: Key) -> Option<Pos> {
-        if self.nonempty[c / 64] & (1 << (c % 64)) == 0 {
+    fn first_at_or_above(&self, c: usize, k: Key) -> Option<Key> {
+        if !bit(&self.nonempty, c) {
             return None;
         }
-        match &self.bins[c] {
-            Bin::Sorted(v) => {
-                let i = if v.len() == 1 || v[0] >= k { 0 } else { v.partition_point(|x| *x < k) };
-                (v.get(i).is_some_and(|x| *x >= k)).then_some(Pos::At(i))
-            }
-            Bin::Tree(t) => t.range(k..).next().map(|k| Pos::Key(*k)),
+        if bit(&self.tree, c) {
+            return self.tree_ref(c).range(k..).next().copied();
         }
+        let v = &self.bins[c];
+        let first = *v.first()?;
+        if first >= k {
+            return Some(first);
+        }
+        v.get(v.partition_point(|x| *x < k)).copied()
     }
 
     #[inline]
@@ -127,7 +138,7 @@ impl FreeSet {
         if w >= WORDS {
             return None;
         }
-        let mut bits = self.nonempty[w] & (!0u64).checked_shl((from % 64) as u32).unwrap_or(0);
+        let mut bits = self.nonempty[w] & (!0u64 << (from % 64));
         loop {
             if bits != 0 {
                 return Some(w * 64 + bits.trailing_zeros() as usize);
@@ -143,22 +154,22 @@ impl FreeSet {
     #[inline]
     pub(super) fn insert(&mut self, k: Key) {
         let c = class_of(key_size(k));
-        self.nonempty[c / 64] |= 1 << (c % 64);
-        match &mut self.bins[c] {
-            Bin::Sorted(v) => {
-                if v.last().is_none_or(|l| *l < k) {
-                    v.push(k);
-                } else {
-                    let at = v.partition_point(|x| *x < k);
-                    v.insert(at, k);
-                }
-                if v.len() > TREE_AT {
-                    self.bins[c] = Bin::Tree(std::mem::take(v).into_iter().collect());
-                }
-            }
-            Bin::Tree(t) => {
-                t.insert(k);
-            }
+        set_bit(&mut self.nonempty, c, true);
+        if bit(&self.tree, c) {
+            self.tree_mut(c).insert(k);
+            return;
+        }
+        let v = &mut self.bins[c];
+        if v.last().is_none_or(|l| *l < k) {
+            v.push(k);
+        } else {
+            let at = v.partition_point(|x| *x < k);
+            v.insert(at, k);
+        }
+        if v.len() > TREE_AT {
+            let t: BTreeSet<Key> = std::mem::take(v).into_iter().collect();
+            self.trees.push((c, t));
+            set_bit(&mut self.tree, c, true);
         }
     }
 
@@ -166,36 +177,39 @@ impl FreeSet {
     #[inline]
     pub(super) fn remove(&mut self, k: Key) -> bool {
         let c = class_of(key_size(k));
-        let found = match &mut self.bins[c] {
-            Bin::Sorted(v) if v.len() == 1 && v[0] == k => {
+        self.remove_from(c, k)
+    }
+
+    #[inline]
+    fn remove_from(&mut self, c: usize, k: Key) -> bool {
+        if bit(&self.tree, c) {
+            let t = self.tree_mut(c);
+            let found = t.remove(&k);
+            if t.is_empty() {
+                self.trees.retain(|(b, _)| *b != c);
+                set_bit(&mut self.tree, c, false);
+                set_bit(&mut self.nonempty, c, false);
+            }
+            return found;
+        }
+        let v = &mut self.bins[c];
+        let found = match v.as_slice() {
+            [only] if *only == k => {
                 v.clear();
                 true
             }
-            Bin::Sorted(v) => match v.binary_search(&k) {
+            _ => match v.binary_search(&k) {
                 Ok(i) => {
                     v.remove(i);
                     true
                 }
                 Err(_) => false,
             },
-            Bin::Tree(t) => t.remove(&k),
         };
-        self.after_remove(c);
-        found
-    }
-
-    #[inline]
-    fn after_remove(&mut self, c: usize) {
-        let empty = match &self.bins[c] {
-            Bin::Sorted(v) => v.is_empty(),
-            Bin::Tree(t) => t.is_empty(),
-        };
-        if empty {
-            self.nonempty[c / 64] &= !(1 << (c % 64));
-            if matches!(self.bins[c], Bin::Tree(_)) {
-                self.bins[c] = Bin::Sorted(Vec::new());
-            }
+        if v.is_empty() {
+            set_bit(&mut self.nonempty, c, false);
         }
+        found
     }
 }
 
