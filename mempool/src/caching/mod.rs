@@ -66,7 +66,9 @@ struct Block {
     prev: u32,
     next: u32,
     state: BlockState,
-    /// Whether its segment is small (a copy, so the hot path needs no segment lookup).
+    /// Its segment's free set and whether the segment is small (copies, so the hot path needs no
+    /// segment lookup).
+    set: u32,
     small: bool,
     /// Whether `State::uses` lists other streams that used it.
     has_uses: bool,
@@ -87,7 +89,6 @@ struct Segment {
     stream: StreamId,
     pool: PoolId,
     small: bool,
-    set: u32,
     head: u32,
     /// The allocation tick at which the segment last became wholly free (for garbage collection).
     freed_at: u64,
@@ -371,15 +372,13 @@ impl State {
     #[inline]
     fn insert_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
-        let set = self.segments[blk.seg as usize].set;
-        self.sets[set as usize].insert(key(blk.size, blk.addr, b));
+        self.sets[blk.set as usize].insert(key(blk.size, blk.addr, b));
     }
 
     #[inline]
     fn remove_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
-        let set = self.segments[blk.seg as usize].set;
-        self.sets[set as usize].remove(key(blk.size, blk.addr, b));
+        self.sets[blk.set as usize].remove(key(blk.size, blk.addr, b));
     }
 
     /// Counts (`+1`) or uncounts (`-1`) a free block in the inactive-split stats.
@@ -415,6 +414,7 @@ impl State {
                 prev: block,
                 next: b.next,
                 state: BlockState::Free,
+                set: b.set,
                 small,
                 has_uses: false,
                 pending: 0,
@@ -488,7 +488,7 @@ impl State {
             return Err(Error::Backend { op: "segment allocation", message: format!("address {addr:#x} above 2^56") });
         }
         let (pool, stream, small) = key;
-        let seg = Segment { addr, size, stream, pool, small, set, head: NONE, freed_at: 0, live: true };
+        let seg = Segment { addr, size, stream, pool, small, head: NONE, freed_at: 0, live: true };
         let seg_idx = match self.free_segments.pop() {
             Some(i) => {
                 self.segments[i as usize] = seg;
@@ -507,6 +507,7 @@ impl State {
             prev: NONE,
             next: NONE,
             state: BlockState::Free,
+            set,
             small,
             has_uses: false,
             pending: 0,
