@@ -9,10 +9,10 @@ use cudarc::driver::CudaStream;
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
-use crate::backend::sim::SimDevice;
+use crate::backend::sim::{SimDevice, SimStream};
 use crate::backend::{Backend, StreamId};
 use crate::buffer::Buffer;
-use crate::caching::{DeviceAllocator, PoolId};
+use crate::caching::{DeviceAllocator, PoolRef};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::snapshot::Snapshot;
@@ -50,7 +50,7 @@ pub struct Cuda;
 /// Host memory (pinned when CUDA is present). Streams are notional ids.
 #[derive(Debug)]
 pub struct Host;
-/// The simulated device of [`sim`](crate::sim). Streams are ids from [`SimDevice::new_stream`].
+/// The simulated device of [`sim`](crate::sim). Streams are [`SimStream`]s from [`SimDevice::new_stream`].
 #[derive(Debug)]
 pub struct Sim;
 
@@ -110,17 +110,17 @@ impl Kind for Host {
 }
 
 impl Kind for Sim {
-    type Stream = StreamId;
+    type Stream = SimStream;
     type Ext = ();
     type StreamCache = ();
-    fn stream_id(s: &StreamId) -> StreamId {
-        *s
+    fn stream_id(s: &SimStream) -> StreamId {
+        s.id
     }
-    fn stream_device(_: &StreamId, d: usize) -> usize {
-        d
+    fn stream_device(s: &SimStream, _: usize) -> usize {
+        s.device
     }
-    fn resolve(_: &Shared<Sim>, id: StreamId) -> StreamId {
-        id
+    fn resolve(shared: &Shared<Sim>, id: StreamId) -> SimStream {
+        SimStream { device: shared.device, id }
     }
 }
 
@@ -306,8 +306,13 @@ impl<K: Kind> Allocator<K> {
 
     /// A buffer of `len` elements of `T` on the current stream; its contents are undefined.
     /// `len == 0` gives an empty buffer that holds no memory.
+    ///
+    /// Inside a [`MemPool::scope`](crate::MemPool::scope) of this thread on the current stream,
+    /// the buffer comes from that pool (the innermost scope wins).
+    #[inline]
     pub fn alloc<T>(&self, len: usize) -> Result<Buffer<T, K>> {
-        self.alloc_in(len, PoolId::DEFAULT)
+        let (stream, pool) = stream::current_with_pool(self.shared.key);
+        self.alloc_at(len, stream, pool)
     }
 
     /// Like [`alloc`](Self::alloc), filled with zero bytes (ordered on the current stream).
@@ -324,10 +329,15 @@ impl<K: Kind> Allocator<K> {
         Ok(b)
     }
 
-    pub(crate) fn alloc_in<T>(&self, len: usize, pool: PoolId) -> Result<Buffer<T, K>> {
+    /// A buffer from `pool` on the current stream, whatever the scopes say.
+    pub(crate) fn alloc_in<T>(&self, len: usize, pool: PoolRef) -> Result<Buffer<T, K>> {
+        self.alloc_at(len, self.current_stream_id(), pool)
+    }
+
+    #[inline]
+    fn alloc_at<T>(&self, len: usize, stream: StreamId, pool: PoolRef) -> Result<Buffer<T, K>> {
         let elem = std::mem::size_of::<T>();
         let bytes = len.checked_mul(elem).ok_or(Error::SizeOverflow { len, elem_size: elem })?;
-        let stream = self.current_stream_id();
         if bytes == 0 {
             return Ok(Buffer::empty(self.shared.clone(), len, stream));
         }
@@ -335,10 +345,12 @@ impl<K: Kind> Allocator<K> {
         Ok(Buffer::new(self.shared.clone(), a, len, stream))
     }
 
-    /// `size` bytes on the current stream, as a raw device address for FFI; give it back with
+    /// `size` bytes on the current stream (from the pool of the innermost scope, if any), as a raw
+    /// device address for FFI; give it back with
     /// [`free_bytes`](Self::free_bytes). `size == 0` returns 0.
     pub fn alloc_bytes(&self, size: usize) -> Result<u64> {
-        self.shared.core.malloc_raw(size, self.current_stream_id(), PoolId::DEFAULT)
+        let (stream, pool) = stream::current_with_pool(self.shared.key);
+        self.shared.core.malloc_raw(size, stream, pool)
     }
 
     /// Gives back an address from [`alloc_bytes`](Self::alloc_bytes). A foreign or already freed

@@ -45,6 +45,17 @@ pub enum Error {
     },
     /// A bad `MEMPOOL_ALLOC_CONF` entry or builder value.
     Config(String),
+    /// A trace callback called back into mempool (which would deadlock); nothing was done.
+    Reentrant,
+    /// A pool's own allocator failed in a way other than running out of memory.
+    PoolAllocator {
+        /// The pool.
+        pool: u64,
+        /// The allocator's name.
+        allocator: String,
+        /// What it said.
+        message: String,
+    },
     /// The driver (or a backend) reported an error.
     Backend {
         /// What mempool was doing.
@@ -73,11 +84,33 @@ pub struct OomReport {
     pub reserved: usize,
     /// The configured memory-fraction limit, if one is set.
     pub limit: Option<usize>,
+    /// For a user pool: its id and its allocator's name.
+    pub pool: Option<(u64, String)>,
+}
+
+impl OomReport {
+    pub(crate) fn empty() -> OomReport {
+        OomReport {
+            device: 0,
+            backend: "",
+            requested: 0,
+            device_total: None,
+            device_free: None,
+            allocated: 0,
+            reserved: 0,
+            limit: None,
+            pool: None,
+        }
+    }
 }
 
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} out of memory. Tried to allocate {}.", self.backend, bytes(self.requested))?;
+        write!(f, "{} out of memory. Tried to allocate {}", self.backend, bytes(self.requested))?;
+        match &self.pool {
+            Some((id, name)) => write!(f, " in pool {id}, whose allocator `{name}` refused.")?,
+            None => write!(f, ".")?,
+        }
         match (self.device_total, self.device_free) {
             (Some(t), Some(fr)) => write!(
                 f,
@@ -134,6 +167,14 @@ impl fmt::Display for Error {
                 write!(f, "{what}: the stream belongs to device {found}, but the allocator is on device {expected}")
             }
             Error::Config(msg) => write!(f, "invalid allocator config: {msg}"),
+            Error::Reentrant => write!(
+                f,
+                "mempool was called from inside one of its own trace callbacks; do the work after the \
+                 callback returns (a Buffer dropped there is freed at the allocator's next call)"
+            ),
+            Error::PoolAllocator { pool, allocator, message } => {
+                write!(f, "the allocator `{allocator}` of pool {pool} failed: {message}")
+            }
             Error::Backend { op, message } => write!(f, "{op} failed: {message}"),
         }
     }

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use common::{check_invariants, Rng};
-use mempool::sim::SimDevice;
-use mempool::{Allocator, Buffer, Config, Sim, StreamId};
+use mempool::sim::{SimDevice, SimStream};
+use mempool::{Allocator, Buffer, Config, Sim};
 
 const MIB: usize = 1 << 20;
 
@@ -28,7 +28,8 @@ fn live_do_not_overlap(live: &[Buffer<u8, Sim>]) {
 fn run_random(seed: u64, steps: usize, config: Config) {
     let sim = SimDevice::new(256 * MIB);
     let a = Allocator::sim_with(sim.clone(), config);
-    let streams: Vec<StreamId> = std::iter::once(StreamId(0)).chain((0..3).map(|_| sim.new_stream())).collect();
+    let streams: Vec<SimStream> =
+        std::iter::once(sim.default_stream()).chain((0..3).map(|_| sim.new_stream())).collect();
     let mut rng = Rng(seed);
     let mut live: Vec<Buffer<u8, Sim>> = Vec::new();
     let mut ooms = 0;
@@ -43,7 +44,7 @@ fn run_random(seed: u64, steps: usize, config: Config) {
                 }
                 match a.alloc::<u8>(size) {
                     Ok(b) => {
-                        assert_eq!(b.stream_id(), s);
+                        assert_eq!(b.stream_id(), s.id);
                         live.push(b);
                     }
                     Err(mempool::Error::OutOfMemory(_)) => ooms += 1,
@@ -109,8 +110,8 @@ fn eight_threads_hammering_one_allocator() {
     const OPS: usize = 100_000;
     let sim = SimDevice::new(4096 * MIB);
     let a = Allocator::sim(sim.clone());
-    let streams: Arc<Vec<StreamId>> =
-        Arc::new(std::iter::once(StreamId(0)).chain((0..3).map(|_| sim.new_stream())).collect());
+    let streams: Arc<Vec<SimStream>> =
+        Arc::new(std::iter::once(sim.default_stream()).chain((0..3).map(|_| sim.new_stream())).collect());
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     let handles: Vec<_> = (0..THREADS)
         .map(|t| {
@@ -125,7 +126,7 @@ fn eight_threads_hammering_one_allocator() {
                     match rng.below(10) {
                         0..=4 => {
                             if let Ok(b) = a.alloc::<u8>(rng.size(18)) {
-                                assert_eq!(b.stream_id(), my_stream);
+                                assert_eq!(b.stream_id(), my_stream.id);
                                 assert!(owners.insert(b.device_ptr_raw(), t).is_none(), "address handed out twice");
                                 live.push(b);
                             }

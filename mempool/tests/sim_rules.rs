@@ -159,7 +159,7 @@ fn blocks_are_reused_only_on_their_stream() {
         let _g = a.set_stream(&s1).unwrap();
         a.alloc::<u8>(4096).unwrap()
     };
-    assert_eq!(y.stream_id(), s1);
+    assert_eq!(y.stream_id(), s1.id);
     assert_ne!(y.device_ptr_raw(), xa, "a block cached for stream 0 was handed to stream 1");
     assert_eq!(sim.live_segments().len(), 2);
     let z = a.alloc::<u8>(4096).unwrap();
@@ -174,7 +174,7 @@ fn cross_stream_free_waits_for_the_other_stream() {
     let x = a.alloc::<u8>(4096).unwrap();
     let xa = x.device_ptr_raw();
     x.record_stream(&s1).unwrap();
-    x.record_stream(&StreamId(0)).unwrap(); // its own stream: nothing to wait for
+    x.record_stream(&sim.default_stream()).unwrap(); // its own stream: nothing to wait for
     drop(x);
     assert_eq!(sim.pending_events(s1), 1);
     assert_eq!(sim.pending_events(StreamId(0)), 0);

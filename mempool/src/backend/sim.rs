@@ -22,6 +22,21 @@ use super::{Backend, BackendError, EventId, StreamId};
 
 const ALIGN: u64 = 2 << 20;
 
+/// A stream of a simulated device: its device index and id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SimStream {
+    /// The device it belongs to.
+    pub device: usize,
+    /// Its id (0: the default stream).
+    pub id: StreamId,
+}
+
+impl From<SimStream> for StreamId {
+    fn from(s: SimStream) -> StreamId {
+        s.id
+    }
+}
+
 /// A simulated device. Share it as `Arc<SimDevice>` between the allocator and the test.
 #[derive(Debug)]
 pub struct SimDevice {
@@ -68,16 +83,22 @@ impl SimDevice {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A new stream id (the default stream is `StreamId(0)`).
-    pub fn new_stream(&self) -> StreamId {
+    /// A new stream of this device.
+    pub fn new_stream(&self) -> SimStream {
         let mut s = self.lock();
         let id = StreamId(s.next_stream);
         s.next_stream += 1;
-        id
+        SimStream { device: self.device, id }
+    }
+
+    /// The device's default stream (id 0).
+    pub fn default_stream(&self) -> SimStream {
+        SimStream { device: self.device, id: StreamId(0) }
     }
 
     /// Completes every event recorded on `stream` so far.
-    pub fn complete_stream(&self, stream: StreamId) {
+    pub fn complete_stream(&self, stream: impl Into<StreamId>) {
+        let stream = stream.into();
         let mut s = self.lock();
         let e = s.streams.entry(stream).or_default();
         e.1 = e.0;
@@ -91,8 +112,8 @@ impl SimDevice {
     }
 
     /// Events recorded on `stream` that have not completed.
-    pub fn pending_events(&self, stream: StreamId) -> u64 {
-        self.lock().streams.get(&stream).map_or(0, |e| e.0 - e.1)
+    pub fn pending_events(&self, stream: impl Into<StreamId>) -> u64 {
+        self.lock().streams.get(&stream.into()).map_or(0, |e| e.0 - e.1)
     }
 
     /// Changes the capacity (segments already allocated stay).

@@ -1,6 +1,7 @@
-//! The caching algorithm: blocks, segments, free sets, splitting, merging, deferred frees.
+//! The caching algorithm: blocks, segments, free sets, splitting, merging, deferred frees, pools.
 //!
-//! Safe code only; every device action goes through a [`Backend`].
+//! Safe code only; every device action goes through a [`Backend`] or a pool's
+//! [`RawAllocator`](crate::RawAllocator).
 //!
 //! Blocks live in a slab and are named by their index, so a [`Buffer`](crate::Buffer) frees its
 //! block without a pointer lookup. Free blocks sit in one ordered set per (pool, stream, small or
@@ -12,13 +13,16 @@ pub(crate) mod rounding;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::backend::{Backend, BackendError, EventId, StreamId};
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
+use crate::pool::RawAllocator;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::stats::{Counters, MemoryStats};
+use crate::trace::{self, Action};
 use freeset::{key, key_idx, FreeSet};
 use rounding::{is_small, round_size, segment_size, should_split};
 
@@ -57,6 +61,45 @@ impl Hasher for IdHasher {
 
 type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
+/// Which pool an allocation goes to: its id and its slot in the allocator's pool table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PoolRef {
+    pub(crate) id: PoolId,
+    pub(crate) slot: u32,
+}
+
+impl PoolRef {
+    /// The default pools.
+    pub(crate) const DEFAULT: PoolRef = PoolRef { id: PoolId::DEFAULT, slot: 0 };
+}
+
+/// What a user pool brings: where its memory comes from and how it is carved.
+pub(crate) struct PoolSpec {
+    pub(crate) id: PoolId,
+    pub(crate) raw: Option<Arc<dyn RawAllocator>>,
+    pub(crate) use_on_oom: bool,
+    pub(crate) no_split: bool,
+    pub(crate) granularity: usize,
+    pub(crate) name: String,
+}
+
+impl std::fmt::Debug for PoolSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolSpec").field("id", &self.id).field("name", &self.name).finish()
+    }
+}
+
+#[derive(Debug)]
+struct PoolState {
+    spec: PoolSpec,
+    stats: Counters,
+    segments: usize,
+    /// Its last handle is gone: segments go back as soon as they are wholly free.
+    released: bool,
+    /// The slot is in use (a released pool's slot is reused once its last segment is gone).
+    live: bool,
+}
+
 #[derive(Debug)]
 struct Block {
     addr: u64,
@@ -65,11 +108,12 @@ struct Block {
     seg: u32,
     prev: u32,
     next: u32,
-    state: BlockState,
-    /// Its segment's free set and whether the segment is small (copies, so the hot path needs no
-    /// segment lookup).
+    /// Its segment's free set, pool slot and kind (copies, so the hot path needs no segment
+    /// lookup).
     set: u32,
+    pool: u32,
     small: bool,
+    state: BlockState,
     /// Whether `State::uses` lists other streams that used it.
     has_uses: bool,
     /// Events still to complete before the block is free.
@@ -87,7 +131,7 @@ struct Segment {
     addr: u64,
     size: usize,
     stream: StreamId,
-    pool: PoolId,
+    pool: u32,
     small: bool,
     head: u32,
     /// The allocation tick at which the segment last became wholly free (for garbage collection).
@@ -95,10 +139,24 @@ struct Segment {
     live: bool,
 }
 
-type SetKey = (PoolId, StreamId, bool);
+type SetKey = (u32, StreamId, bool);
 
 /// Largest block size the packed free-set key holds (1 TiB); larger requests are refused up front.
 pub(crate) const MAX_BLOCK: usize = (1 << 40) - 1;
+
+/// Updates a counter of the device and, for a user pool, the same counter of the pool.
+macro_rules! tally {
+    ($st:expr, $pool:expr, |$c:ident| $e:expr) => {{
+        {
+            let $c = &mut $st.stats;
+            $e;
+        }
+        if $pool != 0 {
+            let $c = &mut $st.pools[$pool as usize].stats;
+            $e;
+        }
+    }};
+}
 
 /// Everything behind the allocator's lock.
 #[derive(Debug)]
@@ -113,6 +171,8 @@ struct State {
     set_index: IdMap<SetKey, u32>,
     /// The set of the last allocation: most programs allocate on one stream at a time.
     last_set: (SetKey, u32),
+    /// Pool table; slot 0 is the default pools.
+    pools: Vec<PoolState>,
     pending: Vec<(EventId, u32)>,
     raw: IdMap<u64, u32>,
     /// Streams other than its segment's that used a block (only blocks with `has_uses`).
@@ -126,6 +186,9 @@ struct State {
 pub(crate) struct DeviceAllocator {
     backend: Arc<dyn Backend>,
     state: Mutex<State>,
+    /// Blocks whose `Buffer` was dropped inside a trace callback (when the lock was held).
+    deferred: Mutex<Vec<u32>>,
+    has_deferred: AtomicBool,
 }
 
 /// A block handed out by [`DeviceAllocator::malloc`].
@@ -138,7 +201,20 @@ pub(crate) struct Allocation {
 impl DeviceAllocator {
     pub(crate) fn new(backend: Arc<dyn Backend>, config: Config) -> DeviceAllocator {
         let limit = limit_for(&*backend, config.memory_fraction);
-        let stats = Counters::default();
+        let default_pool = PoolState {
+            spec: PoolSpec {
+                id: PoolId::DEFAULT,
+                raw: None,
+                use_on_oom: false,
+                no_split: false,
+                granularity: 512,
+                name: backend.kind().to_string(),
+            },
+            stats: Counters::default(),
+            segments: 0,
+            released: false,
+            live: true,
+        };
         DeviceAllocator {
             backend,
             state: Mutex::new(State {
@@ -150,14 +226,17 @@ impl DeviceAllocator {
                 free_segments: Vec::new(),
                 sets: Vec::new(),
                 set_index: IdMap::default(),
-                last_set: ((PoolId(u64::MAX), StreamId(u64::MAX), false), 0),
+                last_set: ((u32::MAX, StreamId(u64::MAX), false), 0),
+                pools: vec![default_pool],
                 pending: Vec::new(),
                 raw: IdMap::default(),
                 uses: IdMap::default(),
-                stats,
+                stats: Counters::default(),
                 tick: 0,
                 error: None,
             }),
+            deferred: Mutex::new(Vec::new()),
+            has_deferred: AtomicBool::new(false),
         }
     }
 
@@ -165,15 +244,34 @@ impl DeviceAllocator {
         &*self.backend
     }
 
+    /// The state, locked; frees deferred by trace callbacks are done first.
+    #[inline]
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while the lock was held is a bug in this module; the state is still the best
         // there is, and `Drop` paths must not panic on a poisoned lock.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if self.has_deferred.load(Ordering::Relaxed) {
+            self.has_deferred.store(false, Ordering::Relaxed);
+            let blocks = std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
+            for b in blocks {
+                st.free(&*self.backend, b);
+            }
+        }
+        st
+    }
+
+    /// The state for a call that can report [`Error::Reentrant`].
+    #[inline]
+    fn enter(&self) -> Result<MutexGuard<'_, State>> {
+        if trace::in_hook() {
+            return Err(Error::Reentrant);
+        }
+        Ok(self.lock())
     }
 
     /// Allocates `size` bytes (`size > 0`) for `stream` from `pool`.
-    pub(crate) fn malloc(&self, size: usize, stream: StreamId, pool: PoolId) -> Result<Allocation> {
-        let mut st = self.lock();
+    pub(crate) fn malloc(&self, size: usize, stream: StreamId, pool: PoolRef) -> Result<Allocation> {
+        let mut st = self.enter()?;
         if st.error.is_some() {
             return Err(st.error.take().expect("checked"));
         }
@@ -183,29 +281,38 @@ impl DeviceAllocator {
         }
         st.tick += 1;
         if size > MAX_BLOCK {
-            st.stats.num_ooms += 1;
-            return Err(st.oom(be, size));
+            return Err(st.oom(be, size, pool.slot));
         }
         let rounded = round_size(size, &st.config);
         let small = is_small(rounded);
-        let set = st.set_for(pool, stream, small);
+        let set = st.set_for(pool.slot, stream, small);
         let block = match st.best_fit(set, rounded) {
             Some(b) => b,
-            None => st.new_segment(be, size, rounded, set, (pool, stream, small))?,
+            None => st.new_segment(be, size, rounded, set, (pool.slot, stream, small))?,
         };
-        Ok(st.take_block(block, rounded, size))
+        let a = st.take_block(block, rounded, size);
+        if trace::enabled() {
+            st.emit(be, Action::Alloc, block);
+        }
+        Ok(a)
     }
 
     /// Returns a block from [`malloc`](Self::malloc). Never fails: an error on the way (an event
     /// that could not be recorded) is kept and reported by the next call.
     pub(crate) fn free(&self, block: u32) {
+        if trace::in_hook() {
+            // The allocator is locked by the dispatch that called this hook: free it later.
+            self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push(block);
+            self.has_deferred.store(true, Ordering::Relaxed);
+            return;
+        }
         let mut st = self.lock();
         st.free(&*self.backend, block);
     }
 
     /// Notes that `stream` uses the block; returns whether the stream is new to it.
     pub(crate) fn record_stream(&self, block: u32, stream: StreamId) -> bool {
-        let mut st = self.lock();
+        let Ok(mut st) = self.enter() else { return false };
         let seg_stream = st.segments[st.blocks[block as usize].seg as usize].stream;
         if stream == seg_stream {
             return false;
@@ -220,7 +327,7 @@ impl DeviceAllocator {
     }
 
     /// `alloc_bytes` for FFI users: the pointer is the handle.
-    pub(crate) fn malloc_raw(&self, size: usize, stream: StreamId, pool: PoolId) -> Result<u64> {
+    pub(crate) fn malloc_raw(&self, size: usize, stream: StreamId, pool: PoolRef) -> Result<u64> {
         if size == 0 {
             return Ok(0);
         }
@@ -233,7 +340,7 @@ impl DeviceAllocator {
         if ptr == 0 {
             return Ok(());
         }
-        let mut st = self.lock();
+        let mut st = self.enter()?;
         match st.raw.remove(&ptr) {
             Some(b) => {
                 st.free(&*self.backend, b);
@@ -248,16 +355,26 @@ impl DeviceAllocator {
         self.lock().raw.get(&ptr).copied()
     }
 
-    /// Waits for every pending cross-stream free, then gives back every wholly free segment.
+    /// Waits for every pending cross-stream free, then gives back every wholly free segment of the
+    /// default pools and of released pools (live user pools keep theirs: `MemPool::empty_cache`).
     pub(crate) fn empty_cache(&self) -> Result<()> {
-        let mut st = self.lock();
+        let mut st = self.enter()?;
         let be = &*self.backend;
         st.synchronize_events(be);
-        st.release_cached(be);
-        match st.error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+        st.release_cached(be, |p| p.spec.id == PoolId::DEFAULT || p.released);
+        st.error.take().map_or(Ok(()), Err)
+    }
+
+    /// Gives back the wholly free segments of one pool.
+    pub(crate) fn empty_pool_cache(&self, slot: u32) -> Result<()> {
+        let mut st = self.enter()?;
+        let be = &*self.backend;
+        if !st.pending.is_empty() {
+            st.process_events(be);
         }
+        let id = st.pools[slot as usize].spec.id;
+        st.release_cached(be, |p| p.spec.id == id);
+        st.error.take().map_or(Ok(()), Err)
     }
 
     pub(crate) fn stats(&self) -> MemoryStats {
@@ -265,13 +382,22 @@ impl DeviceAllocator {
         st.stats.report(st.config.max_split_size)
     }
 
+    pub(crate) fn pool_stats(&self, slot: u32) -> MemoryStats {
+        let st = self.lock();
+        st.pools[slot as usize].stats.report(st.config.max_split_size)
+    }
+
     pub(crate) fn reset_peak_stats(&self) {
-        self.lock().stats.reset_peak();
+        let mut st = self.lock();
+        st.stats.reset_peak();
+        for p in &mut st.pools {
+            p.stats.reset_peak();
+        }
     }
 
     pub(crate) fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
         let config = Config::builder().memory_fraction(fraction).build()?;
-        let mut st = self.lock();
+        let mut st = self.enter()?;
         st.config.memory_fraction = config.memory_fraction;
         st.limit = limit_for(&*self.backend, fraction);
         Ok(())
@@ -284,6 +410,40 @@ impl DeviceAllocator {
     /// An error kept from a call that could not return one (a `Drop`), taken.
     pub(crate) fn take_error(&self) -> Option<Error> {
         self.lock().error.take()
+    }
+
+    /// Adds a user pool; returns its slot.
+    pub(crate) fn register_pool(&self, spec: PoolSpec) -> u32 {
+        let mut st = self.lock();
+        let p = PoolState { spec, stats: Counters::default(), segments: 0, released: false, live: true };
+        match st.pools.iter().position(|p| !p.live) {
+            Some(i) => {
+                st.pools[i] = p;
+                i as u32
+            }
+            None => {
+                st.pools.push(p);
+                (st.pools.len() - 1) as u32
+            }
+        }
+    }
+
+    /// The pool's last handle is gone: its wholly free segments go back now, the others as soon
+    /// as they become wholly free.
+    pub(crate) fn release_pool(&self, slot: u32) {
+        if trace::in_hook() {
+            // Cannot lock here; the pool is released at the next segment free or empty_cache.
+            return;
+        }
+        let mut st = self.lock();
+        let be = &*self.backend;
+        st.pools[slot as usize].released = true;
+        if !st.pending.is_empty() {
+            st.process_events(be);
+        }
+        let id = st.pools[slot as usize].spec.id;
+        st.release_cached(be, |p| p.spec.id == id);
+        st.retire_pool_if_empty(slot);
     }
 
     pub(crate) fn snapshot(&self) -> Snapshot {
@@ -309,7 +469,7 @@ impl DeviceAllocator {
                     address: s.addr,
                     total_size: s.size,
                     stream: s.stream,
-                    pool: s.pool,
+                    pool: st.pools[s.pool as usize].spec.id,
                     is_small: s.small,
                     blocks,
                 }
@@ -328,8 +488,15 @@ fn limit_for(backend: &dyn Backend, fraction: f64) -> Option<usize> {
 }
 
 impl State {
+    /// Reports `action` on `block` to the trace hooks (the caller checked `trace::enabled`).
+    fn emit(&self, be: &dyn Backend, action: Action, block: u32) {
+        let b = &self.blocks[block as usize];
+        let stream = self.segments[b.seg as usize].stream;
+        trace::dispatch(action, be.device(), self.pools[b.pool as usize].spec.id, b.addr, b.size, stream);
+    }
+
     #[inline]
-    fn set_for(&mut self, pool: PoolId, stream: StreamId, small: bool) -> u32 {
+    fn set_for(&mut self, pool: u32, stream: StreamId, small: bool) -> u32 {
         let k = (pool, stream, small);
         if self.last_set.0 == k {
             return self.last_set.1;
@@ -340,7 +507,7 @@ impl State {
         }
         let i = self.sets.len() as u32;
         self.sets.push(FreeSet::new());
-        self.set_index.insert((pool, stream, small), i);
+        self.set_index.insert(k, i);
         i
     }
 
@@ -360,6 +527,7 @@ impl State {
 
     /// The best fitting free block of the set, removed from it; PyTorch's rule: the smallest block
     /// at or above `size`, unless it is an unsplittable oversize block that would waste too much.
+    /// In a `no_split` pool, a block serves only requests within 20 MiB of its size.
     #[inline]
     fn best_fit(&mut self, set: u32, size: usize) -> Option<u32> {
         let max_split = self.config.max_split_size;
@@ -388,13 +556,17 @@ impl State {
         if blk.state != BlockState::Free || !blk.is_split() {
             return;
         }
-        let (size, small) = (blk.size, blk.small);
+        let (size, small, pool) = (blk.size, blk.small, blk.pool);
         if add {
-            self.stats.inactive_split.add(small, 1);
-            self.stats.inactive_split_bytes.add(small, size);
+            tally!(self, pool, |c| {
+                c.inactive_split.add(small, 1);
+                c.inactive_split_bytes.add(small, size)
+            });
         } else {
-            self.stats.inactive_split.sub(small, 1);
-            self.stats.inactive_split_bytes.sub(small, size);
+            tally!(self, pool, |c| {
+                c.inactive_split.sub(small, 1);
+                c.inactive_split_bytes.sub(small, size)
+            });
         }
     }
 
@@ -404,8 +576,9 @@ impl State {
     fn take_block(&mut self, block: u32, rounded: usize, requested: usize) -> Allocation {
         self.count_inactive(block, false);
         let b = &self.blocks[block as usize];
-        let small = b.small;
-        if should_split(b.size, rounded, small, self.config.max_split_size) {
+        let (small, pool) = (b.small, b.pool);
+        let no_split = pool != 0 && self.pools[pool as usize].spec.no_split;
+        if !no_split && should_split(b.size, rounded, small, self.config.max_split_size) {
             let rest = Block {
                 addr: b.addr + rounded as u64,
                 size: b.size - rounded,
@@ -413,9 +586,10 @@ impl State {
                 seg: b.seg,
                 prev: block,
                 next: b.next,
-                state: BlockState::Free,
                 set: b.set,
+                pool,
                 small,
+                state: BlockState::Free,
                 has_uses: false,
                 pending: 0,
             };
@@ -434,20 +608,23 @@ impl State {
         b.state = BlockState::Allocated;
         b.requested = requested;
         let (size, addr) = (b.size, b.addr);
-        let s = &mut self.stats;
-        s.allocation.add(small, 1);
-        s.allocated_bytes.add(small, size);
-        s.active.add(small, 1);
-        s.active_bytes.add(small, size);
-        s.requested_bytes.add(small, requested);
-        if size >= self.config.max_split_size {
-            s.oversize_allocations.add(false, 1);
-        }
+        let oversize = size >= self.config.max_split_size;
+        tally!(self, pool, |c| {
+            c.allocation.add(small, 1);
+            c.allocated_bytes.add(small, size);
+            c.active.add(small, 1);
+            c.active_bytes.add(small, size);
+            c.requested_bytes.add(small, requested);
+            if oversize {
+                c.oversize_allocations.add(false, 1);
+            }
+        });
         Allocation { block, addr }
     }
 
     /// Allocates a segment for a request no cached block could serve; on out-of-memory, waits for
-    /// pending frees, gives back the cache and tries once more.
+    /// pending frees, gives back the caches of every pool and tries once more; then, for the
+    /// default pools, borrows a free block of a `use_on_oom` pool.
     fn new_segment(
         &mut self,
         be: &dyn Backend,
@@ -456,38 +633,36 @@ impl State {
         set: u32,
         key: SetKey,
     ) -> Result<u32> {
-        let size = segment_size(rounded);
+        let (pool, stream, small) = key;
+        let spec = &self.pools[pool as usize].spec;
+        let size = if spec.no_split { rounded } else { segment_size(rounded) }.next_multiple_of(spec.granularity);
         if self.config.garbage_collection_threshold > 0.0 {
             self.garbage_collect(be);
         }
-        let addr = match self.raw_alloc(be, size, key.1) {
+        let addr = match self.raw_alloc(be, size, key) {
             Ok(a) => a,
-            Err(BackendError::OutOfMemory) => {
+            Err(Error::OutOfMemory(_)) => {
                 self.synchronize_events(be);
                 if let Some(b) = self.best_fit(set, rounded) {
                     return Ok(b);
                 }
-                self.release_cached(be);
+                self.release_cached(be, |_| true);
                 self.stats.num_alloc_retries += 1;
-                match self.raw_alloc(be, size, key.1) {
+                match self.raw_alloc(be, size, key) {
                     Ok(a) => a,
-                    Err(BackendError::OutOfMemory) => {
-                        self.stats.num_ooms += 1;
-                        return Err(self.oom(be, requested));
+                    Err(Error::OutOfMemory(_)) => {
+                        if pool == 0 {
+                            if let Some(b) = self.borrow_from_pools(stream, small, rounded) {
+                                return Ok(b);
+                            }
+                        }
+                        return Err(self.oom(be, requested, pool));
                     }
-                    Err(BackendError::Failed(m)) => {
-                        return Err(Error::Backend { op: "segment allocation", message: m })
-                    }
+                    Err(e) => return Err(e),
                 }
             }
-            Err(BackendError::Failed(m)) => return Err(Error::Backend { op: "segment allocation", message: m }),
+            Err(e) => return Err(e),
         };
-        if addr >= 1 << 56 {
-            // The free sets pack addresses into 56 bits; no device hands out higher ones today.
-            let _ = be.free_segment(addr, size);
-            return Err(Error::Backend { op: "segment allocation", message: format!("address {addr:#x} above 2^56") });
-        }
-        let (pool, stream, small) = key;
         let seg = Segment { addr, size, stream, pool, small, head: NONE, freed_at: 0, live: true };
         let seg_idx = match self.free_segments.pop() {
             Some(i) => {
@@ -506,25 +681,52 @@ impl State {
             seg: seg_idx,
             prev: NONE,
             next: NONE,
-            state: BlockState::Free,
             set,
+            pool,
             small,
+            state: BlockState::Free,
             has_uses: false,
             pending: 0,
         });
         self.segments[seg_idx as usize].head = block;
-        let s = &mut self.stats;
-        s.segment.add(small, 1);
-        s.reserved_bytes.add(small, size);
-        s.num_device_alloc += 1;
-        if size >= self.config.max_split_size {
-            s.oversize_segments.add(false, 1);
+        self.pools[pool as usize].segments += 1;
+        let oversize = size >= self.config.max_split_size;
+        tally!(self, pool, |c| {
+            c.segment.add(small, 1);
+            c.reserved_bytes.add(small, size);
+            c.num_device_alloc += 1;
+            if oversize {
+                c.oversize_segments.add(false, 1);
+            }
+        });
+        if trace::enabled() {
+            self.emit(be, Action::SegmentAlloc, block);
         }
         Ok(block)
     }
 
-    fn oom(&self, be: &dyn Backend, requested: usize) -> Error {
+    /// A free block of a `use_on_oom` pool for a default-pool request (it stays in its pool).
+    fn borrow_from_pools(&mut self, stream: StreamId, small: bool, rounded: usize) -> Option<u32> {
+        let lenders: Vec<u32> = (1..self.pools.len() as u32)
+            .filter(|&p| self.pools[p as usize].live && self.pools[p as usize].spec.use_on_oom)
+            .collect();
+        for p in lenders {
+            if let Some(&set) = self.set_index.get(&(p, stream, small)) {
+                if let Some(b) = self.best_fit(set, rounded) {
+                    return Some(b);
+                }
+            }
+        }
+        None
+    }
+
+    fn oom(&mut self, be: &dyn Backend, requested: usize, pool: u32) -> Error {
+        tally!(self, pool, |c| c.num_ooms += 1);
+        if trace::enabled() {
+            trace::dispatch(Action::Oom, be.device(), self.pools[pool as usize].spec.id, 0, requested, StreamId(0));
+        }
         let (free, total) = be.memory_info().unzip();
+        let spec = &self.pools[pool as usize].spec;
         Error::OutOfMemory(Box::new(OomReport {
             device: be.device(),
             backend: be.kind(),
@@ -534,39 +736,80 @@ impl State {
             allocated: self.stats.allocated_bytes.current() as usize,
             reserved: self.stats.reserved_bytes.current() as usize,
             limit: self.limit,
+            pool: (pool != 0).then(|| (spec.id.0, spec.name.clone())),
         }))
     }
 
-    /// The backend's allocation, refused up front when it would pass the memory-fraction limit.
-    fn raw_alloc(&mut self, be: &dyn Backend, size: usize, stream: StreamId) -> Result<u64, BackendError> {
+    /// A segment from the pool's allocator or the backend; `Error::OutOfMemory` (with an empty
+    /// report, filled in by the caller) when there is no memory or the memory-fraction limit
+    /// would be passed.
+    fn raw_alloc(&mut self, be: &dyn Backend, size: usize, (pool, stream, _): SetKey) -> Result<u64> {
+        let no_memory = || Error::OutOfMemory(Box::new(OomReport::empty()));
         if let Some(limit) = self.limit {
             if self.stats.reserved_bytes.current() as usize + size > limit {
-                return Err(BackendError::OutOfMemory);
+                return Err(no_memory());
             }
         }
-        be.alloc_segment(size, stream)
+        let spec = &self.pools[pool as usize].spec;
+        let r = match &spec.raw {
+            Some(raw) => raw.alloc(size, be.device(), stream),
+            None => be.alloc_segment(size, stream),
+        };
+        let addr = match r {
+            Ok(0) | Err(BackendError::OutOfMemory) => return Err(no_memory()),
+            Ok(a) => a,
+            Err(BackendError::Failed(m)) => return Err(self.alloc_failed(pool, m)),
+        };
+        let misaligned = addr % spec.granularity as u64 != 0;
+        if misaligned || addr >= 1 << 56 {
+            // The free sets pack addresses into 56 bits; no device hands out higher ones today.
+            let _ = match &spec.raw {
+                Some(raw) => raw.free(addr, size, be.device(), stream),
+                None => be.free_segment(addr, size),
+            };
+            let why = if misaligned {
+                format!("returned {addr:#x}, not aligned to its granularity of {} bytes", spec.granularity)
+            } else {
+                format!("returned {addr:#x}, above 2^56")
+            };
+            return Err(self.alloc_failed(pool, why));
+        }
+        Ok(addr)
+    }
+
+    fn alloc_failed(&self, pool: u32, message: String) -> Error {
+        let spec = &self.pools[pool as usize].spec;
+        match spec.raw {
+            Some(_) => Error::PoolAllocator { pool: spec.id.0, allocator: spec.name.clone(), message },
+            None => Error::Backend { op: "segment allocation", message },
+        }
     }
 
     #[inline]
     fn free(&mut self, be: &dyn Backend, block: u32) {
         let b = &mut self.blocks[block as usize];
         debug_assert_eq!(b.state, BlockState::Allocated);
-        let (size, requested, small) = (b.size, b.requested, b.small);
+        let (size, requested, small, pool) = (b.size, b.requested, b.small, b.pool);
         let uses = if b.has_uses {
             b.has_uses = false;
             self.uses.remove(&block).unwrap_or_default()
         } else {
             Vec::new()
         };
-        let s = &mut self.stats;
-        s.allocation.sub(small, 1);
-        s.allocated_bytes.sub(small, size);
-        s.requested_bytes.sub(small, requested);
-        if size >= self.config.max_split_size {
-            s.oversize_allocations.sub(false, 1);
+        let oversize = size >= self.config.max_split_size;
+        tally!(self, pool, |c| {
+            c.allocation.sub(small, 1);
+            c.allocated_bytes.sub(small, size);
+            c.requested_bytes.sub(small, requested);
+            if oversize {
+                c.oversize_allocations.sub(false, 1);
+            }
+        });
+        if trace::enabled() {
+            self.emit(be, Action::FreeRequested, block);
         }
         if uses.is_empty() {
-            self.free_block(block);
+            self.free_block(be, block);
             return;
         }
         self.blocks[block as usize].state = BlockState::AwaitingStreams;
@@ -588,17 +831,22 @@ impl State {
         }
     }
 
-    /// Makes a block free, merging it with free neighbours, and files it in its set.
+    /// Makes a block free, merging it with free neighbours, and files it in its set. A wholly free
+    /// segment of a released pool goes back at once.
     #[inline]
-    fn free_block(&mut self, block: u32) {
+    fn free_block(&mut self, be: &dyn Backend, block: u32) {
+        if trace::enabled() {
+            self.emit(be, Action::FreeCompleted, block);
+        }
         let b = &mut self.blocks[block as usize];
-        let small = b.small;
-        let size = b.size;
+        let (small, size, pool) = (b.small, b.size, b.pool);
         b.state = BlockState::Free;
         b.requested = 0;
         b.pending = 0;
-        self.stats.active.sub(small, 1);
-        self.stats.active_bytes.sub(small, size);
+        tally!(self, pool, |c| {
+            c.active.sub(small, 1);
+            c.active_bytes.sub(small, size)
+        });
         let mut cur = block;
         let prev = self.blocks[cur as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == BlockState::Free {
@@ -619,6 +867,10 @@ impl State {
         if !b.is_split() {
             let seg = b.seg;
             self.segments[seg as usize].freed_at = self.tick;
+            if pool != 0 && self.pools[pool as usize].released {
+                self.release_segment(be, seg);
+                self.retire_pool_if_empty(pool);
+            }
         }
     }
 
@@ -674,7 +926,7 @@ impl State {
         let b = &mut self.blocks[block as usize];
         b.pending -= 1;
         if b.pending == 0 {
-            self.free_block(block);
+            self.free_block(be, block);
         }
     }
 
@@ -687,43 +939,75 @@ impl State {
         }
     }
 
-    /// Gives back every wholly free segment.
-    fn release_cached(&mut self, be: &dyn Backend) {
+    /// Gives back every wholly free segment of the pools `which` selects.
+    fn release_cached(&mut self, be: &dyn Backend, which: impl Fn(&PoolState) -> bool) {
         for seg in 0..self.segments.len() {
-            if self.wholly_free(seg) {
+            if self.wholly_free(seg) && which(&self.pools[self.segments[seg].pool as usize]) {
                 self.release_segment(be, seg as u32);
             }
         }
+        for slot in 1..self.pools.len() as u32 {
+            self.retire_pool_if_empty(slot);
+        }
     }
 
-    /// Gives a wholly free segment back to the backend. If the backend refuses, the segment stays
-    /// cached (still counted as reserved) and the error is kept for the next call.
+    /// Frees a released pool's slot once its last segment is gone.
+    fn retire_pool_if_empty(&mut self, slot: u32) {
+        let p = &mut self.pools[slot as usize];
+        if slot != 0 && p.live && p.released && p.segments == 0 {
+            p.live = false;
+            p.spec.raw = None;
+            // Its free sets are empty; forget them so a new pool in this slot starts clean.
+            self.set_index.retain(|k, _| k.0 != slot);
+            self.last_set = ((u32::MAX, StreamId(u64::MAX), false), 0);
+        }
+    }
+
+    /// Gives a wholly free segment back through its pool's free function (or the backend), after
+    /// telling the trace hooks. If the free fails, the segment stays cached (still counted as
+    /// reserved) and the error is kept for the next call.
     fn release_segment(&mut self, be: &dyn Backend, seg: u32) {
-        let (addr, size, small) = {
+        let (addr, size, small, pool, stream, head) = {
             let s = &self.segments[seg as usize];
-            (s.addr, s.size, s.small)
+            (s.addr, s.size, s.small, s.pool, s.stream, s.head)
         };
-        if let Err(e) = be.free_segment(addr, size) {
-            self.error.get_or_insert(Error::Backend {
-                op: "segment free",
-                message: format!("{e} (segment {addr:#x}, {size} bytes)"),
+        if trace::enabled() {
+            self.emit(be, Action::SegmentFree, head);
+        }
+        let r = match &self.pools[pool as usize].spec.raw {
+            Some(raw) => raw.free(addr, size, be.device(), stream),
+            None => be.free_segment(addr, size),
+        };
+        if let Err(e) = r {
+            let spec = &self.pools[pool as usize].spec;
+            self.error.get_or_insert(match spec.raw {
+                Some(_) => Error::PoolAllocator {
+                    pool: spec.id.0,
+                    allocator: spec.name.clone(),
+                    message: format!("free of segment {addr:#x} ({size} bytes) failed: {e}"),
+                },
+                None => {
+                    Error::Backend { op: "segment free", message: format!("{e} (segment {addr:#x}, {size} bytes)") }
+                }
             });
             return;
         }
-        let head = self.segments[seg as usize].head;
         self.remove_free(head);
         self.free_blocks.push(head);
         let s = &mut self.segments[seg as usize];
         s.live = false;
         s.head = NONE;
         self.free_segments.push(seg);
-        let st = &mut self.stats;
-        st.segment.sub(small, 1);
-        st.reserved_bytes.sub(small, size);
-        st.num_device_free += 1;
-        if size >= self.config.max_split_size {
-            st.oversize_segments.sub(false, 1);
-        }
+        self.pools[pool as usize].segments -= 1;
+        let oversize = size >= self.config.max_split_size;
+        tally!(self, pool, |c| {
+            c.segment.sub(small, 1);
+            c.reserved_bytes.sub(small, size);
+            c.num_device_free += 1;
+            if oversize {
+                c.oversize_segments.sub(false, 1);
+            }
+        });
     }
 
     /// With `garbage_collection_threshold` set: once reserved memory passes that fraction of the

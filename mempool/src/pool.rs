@@ -1,0 +1,224 @@
+//! User pools: `MemPool`, whose memory comes from a [`RawAllocator`] of yours (ncclMemAlloc,
+//! cuMemCreate on a NUMA node, a stream-ordered CUDA pool...) or from the device, carved by the
+//! same caching algorithm and kept apart from every other pool.
+//!
+//! ```
+//! use mempool::{Allocator, MemPool, PoolOptions, sim::SimDevice};
+//! let alloc = Allocator::sim(SimDevice::new(256 << 20));
+//! let pool = MemPool::on(&alloc, PoolOptions::new());
+//! let inside = {
+//!     let _scope = pool.scope();             // this thread, current stream: into `pool`
+//!     alloc.alloc::<f32>(1024)?
+//! };
+//! let outside = alloc.alloc::<f32>(1024)?;   // the default pools again
+//! assert_eq!(pool.memory_stats().allocation.all.current, 1);
+//! assert_ne!(inside.device_ptr_raw(), outside.device_ptr_raw());
+//! # Ok::<(), mempool::Error>(())
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::allocator::{Allocator, Cuda, Kind};
+use crate::backend::{BackendError, StreamId};
+use crate::buffer::Buffer;
+use crate::caching::{PoolId, PoolSpec};
+use crate::error::Result;
+use crate::snapshot::Snapshot;
+use crate::stats::MemoryStats;
+
+/// Where a pool's segments come from: your own alloc/free functions.
+///
+/// `alloc` returns a device address of `size` bytes (a multiple of [`granularity`]), aligned to
+/// the granularity; 0 or `Err(BackendError::OutOfMemory)` means there is no memory. `free` gets
+/// back exactly what `alloc` gave, once, with the same size. Both are called with the device's
+/// allocator locked: keep them short and never call mempool from them.
+///
+/// [`granularity`]: RawAllocator::granularity
+pub trait RawAllocator: Send + Sync + 'static {
+    /// A name for reports and errors.
+    fn name(&self) -> &str;
+    /// A new segment of `size` bytes for `stream` of `device`.
+    fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError>;
+    /// Gives a segment back.
+    fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError>;
+    /// Segment sizes are multiples of this, and addresses must be aligned to it (a power of two,
+    /// at least 512). NCCL/NVLS buffers want the multicast granularity, typically 2 MiB.
+    fn granularity(&self) -> usize {
+        512
+    }
+}
+
+/// How a pool carves its memory. `PoolOptions::new()`: device memory, PyTorch's rules.
+#[derive(Clone, Default)]
+#[must_use]
+pub struct PoolOptions {
+    allocator: Option<Arc<dyn RawAllocator>>,
+    use_on_oom: bool,
+    no_split: bool,
+    granularity: Option<usize>,
+}
+
+impl fmt::Debug for PoolOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PoolOptions")
+            .field("allocator", &self.allocator.as_ref().map(|a| a.name().to_string()))
+            .field("use_on_oom", &self.use_on_oom)
+            .field("no_split", &self.no_split)
+            .field("granularity", &self.granularity)
+            .finish()
+    }
+}
+
+impl PoolOptions {
+    /// Device memory, split and merged as in the default pools.
+    pub fn new() -> PoolOptions {
+        PoolOptions::default()
+    }
+
+    /// Segments come from `a` (and go back to it, and only to it).
+    pub fn allocator(mut self, a: impl RawAllocator) -> PoolOptions {
+        self.allocator = Some(Arc::new(a));
+        self
+    }
+
+    /// Segments come from an allocator already shared elsewhere.
+    pub fn shared_allocator(mut self, a: Arc<dyn RawAllocator>) -> PoolOptions {
+        self.allocator = Some(a);
+        self
+    }
+
+    /// The default pools may borrow this pool's free blocks when they would otherwise run out
+    /// (the blocks still belong to, and return to, this pool).
+    pub fn use_on_oom(mut self, yes: bool) -> PoolOptions {
+        self.use_on_oom = yes;
+        self
+    }
+
+    /// Every block takes its whole segment: a buffer never shares a segment (for registration
+    /// and for buffers that must be symmetric across ranks).
+    pub fn no_split(mut self, yes: bool) -> PoolOptions {
+        self.no_split = yes;
+        self
+    }
+
+    /// Segment sizes rounded up to a multiple of `bytes` (a power of two), on top of what the
+    /// allocator asks for.
+    pub fn granularity(mut self, bytes: usize) -> PoolOptions {
+        self.granularity = Some(bytes);
+        self
+    }
+}
+
+static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) struct PoolInner<K: Kind> {
+    pub(crate) alloc: Allocator<K>,
+    pub(crate) id: PoolId,
+    pub(crate) slot: u32,
+}
+
+impl<K: Kind> Drop for PoolInner<K> {
+    fn drop(&mut self) {
+        self.alloc.shared.core.release_pool(self.slot);
+    }
+}
+
+/// A memory pool of one device (PyTorch's `torch.cuda.MemPool`). Cloning gives another handle;
+/// when the last handle is dropped the pool's free segments go back through its own free
+/// function at once, and the rest as their last buffers are dropped.
+pub struct MemPool<K: Kind = Cuda> {
+    pub(crate) inner: Arc<PoolInner<K>>,
+}
+
+impl<K: Kind> Clone for MemPool<K> {
+    fn clone(&self) -> Self {
+        MemPool { inner: self.inner.clone() }
+    }
+}
+
+impl<K: Kind> fmt::Debug for MemPool<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemPool").field("id", &self.inner.id.0).field("device", &self.device()).finish()
+    }
+}
+
+impl MemPool<Cuda> {
+    /// A private pool on device memory of the current CUDA device.
+    pub fn new() -> Result<MemPool<Cuda>> {
+        Ok(MemPool::on(&Allocator::cuda(crate::current_device())?, PoolOptions::new()))
+    }
+
+    /// A pool on the current CUDA device whose segments come from `a`.
+    pub fn with_allocator(a: impl RawAllocator) -> Result<MemPool<Cuda>> {
+        Ok(MemPool::on(&Allocator::cuda(crate::current_device())?, PoolOptions::new().allocator(a)))
+    }
+}
+
+impl<K: Kind> MemPool<K> {
+    /// A pool of `alloc`'s device with these options.
+    pub fn on(alloc: &Allocator<K>, options: PoolOptions) -> MemPool<K> {
+        let id = PoolId(NEXT_POOL.fetch_add(1, Ordering::Relaxed));
+        let raw_gran = options.allocator.as_ref().map_or(512, |a| a.granularity());
+        let granularity = options.granularity.unwrap_or(512).max(raw_gran).max(512).next_power_of_two();
+        let name =
+            options.allocator.as_ref().map_or_else(|| alloc.backend_kind().to_string(), |a| a.name().to_string());
+        let spec = PoolSpec {
+            id,
+            raw: options.allocator,
+            use_on_oom: options.use_on_oom,
+            no_split: options.no_split,
+            granularity,
+            name,
+        };
+        let slot = alloc.shared.core.register_pool(spec);
+        MemPool { inner: Arc::new(PoolInner { alloc: alloc.clone(), id, slot }) }
+    }
+
+    /// The pool's id (as in snapshots and trace entries).
+    pub fn id(&self) -> PoolId {
+        self.inner.id
+    }
+
+    /// The device index.
+    pub fn device(&self) -> usize {
+        self.inner.alloc.device()
+    }
+
+    /// The allocator of the pool's device.
+    pub fn allocator(&self) -> &Allocator<K> {
+        &self.inner.alloc
+    }
+
+    /// Live handles of this pool (clones, scope handles, wrapped futures).
+    pub fn use_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// A buffer from this pool on the current stream, without a scope.
+    pub fn alloc<T>(&self, len: usize) -> Result<Buffer<T, K>> {
+        self.inner.alloc.alloc_in(len, self.pool_ref())
+    }
+
+    pub(crate) fn pool_ref(&self) -> crate::caching::PoolRef {
+        crate::caching::PoolRef { id: self.inner.id, slot: self.inner.slot }
+    }
+
+    /// This pool's statistics.
+    pub fn memory_stats(&self) -> MemoryStats {
+        self.inner.alloc.shared.core.pool_stats(self.inner.slot)
+    }
+
+    /// This pool's segments.
+    pub fn snapshot(&self) -> Snapshot {
+        let mut s = self.inner.alloc.snapshot();
+        s.segments.retain(|seg| seg.pool == self.inner.id);
+        s
+    }
+
+    /// Gives this pool's wholly free segments back through its free function.
+    pub fn empty_cache(&self) -> Result<()> {
+        self.inner.alloc.shared.core.empty_pool_cache(self.inner.slot)
+    }
+}
