@@ -4,7 +4,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop};
 
 use crate::allocator::{Cuda, Handle, Kind};
 use crate::backend::StreamId;
@@ -19,8 +19,9 @@ const NO_BLOCK: u32 = u32::MAX;
 ///
 /// CUDA buffers (`Buffer<T>`, i.e. `Buffer<T, Cuda>`) implement cudarc's [`DeviceSlice`],
 /// [`DevicePtr`] and [`DevicePtrMut`], so they go wherever a `CudaSlice` goes: `memcpy_htod`,
-/// `memcpy_dtoh`, `launch_builder(..).arg(&buf)`, NCCL. Passing one to cudarc on another stream
-/// than its own records that stream automatically.
+/// `memcpy_dtoh`, `launch_builder(..).arg(&buf)`, NCCL. Passing one to a cudarc copy on another
+/// stream than its own records that stream automatically; for a kernel launched on another stream,
+/// call [`record_stream`](Buffer::record_stream) (cudarc does not tell a kernel argument its stream).
 ///
 /// ```no_run
 /// let alloc = mempool::Allocator::cuda(0)?;
@@ -163,5 +164,25 @@ impl<T> DevicePtrMut<T> for Buffer<T, Cuda> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
         self.use_on(stream);
         (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+// SAFETY: the kernel receives the buffer's device address, read from `self.ptr`, which lives as
+// long as the borrow `'b` that `LaunchArgs` is tied to; the buffer owns that memory until it is
+// dropped, which the borrow prevents while the arguments exist. cudarc does not tell an argument
+// which stream the launch uses, so a launch on another stream than the buffer's own needs
+// `record_stream` (as a `Tensor` passed to a custom kernel does in PyTorch).
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b Buffer<T, Cuda>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b Buffer<T, Cuda>) -> &mut Self {
+        self.arg(&arg.ptr)
+    }
+}
+
+// SAFETY: as above; `&mut` also rules out any other use of the buffer while the arguments exist.
+unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut Buffer<T, Cuda>> for LaunchArgs<'a> {
+    #[inline(always)]
+    fn arg(&mut self, arg: &'b mut Buffer<T, Cuda>) -> &mut Self {
+        self.arg(&arg.ptr)
     }
 }

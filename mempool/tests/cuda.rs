@@ -1,12 +1,20 @@
 //! On a real GPU (run on the GPU machine through `shared/tools/gpu-bundle`). Without a GPU, the
 //! tests that need none check the clear errors instead.
 
+mod common;
+
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{result, CudaStream};
+use cudarc::driver::{result, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
 use mempool::{Allocator, Error, StreamGuard};
+
+fn kernel(ctx: &Arc<CudaContext>, name: &str) -> CudaFunction {
+    let module = ctx.load_module(Ptx::from_src(common::ptx::KERNELS)).expect("PTX loads");
+    module.load_function(name).expect("kernel")
+}
 
 fn gpu() -> Allocator {
     Allocator::cuda(0).expect("CUDA device 0")
@@ -92,6 +100,61 @@ fn freed_buffer_is_not_reused_while_another_stream_reads_it() {
     let reuse = a.alloc::<u32>(n).unwrap();
     assert_eq!(reuse.device_ptr_raw(), old, "not reused after stream B finished");
     drop((fresh, reuse, out));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn long_kernel_on_another_stream_keeps_a_freed_buffer_until_it_finishes() {
+    let a = gpu();
+    let ctx = a.context().clone();
+    let (sa, sb) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let spin_copy = kernel(&ctx, "spin_copy");
+    let n: u32 = 1 << 20;
+    let _on_a = a.set_stream(&sa).unwrap();
+    let mut src = a.alloc::<u32>(n as usize).unwrap();
+    sa.memcpy_htod(&vec![7u32; n as usize], &mut src).unwrap();
+    sa.synchronize().unwrap();
+    let old = src.device_ptr_raw();
+    let mut out = {
+        let _on_b = a.set_stream(&sb).unwrap();
+        a.alloc::<u32>(n as usize).unwrap()
+    };
+    // About half a second of spinning before the kernel reads `src`.
+    let cycles: u64 = 1_000_000_000;
+    let cfg = LaunchConfig { grid_dim: (132, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let mut launch = sb.launch_builder(&spin_copy);
+    launch.arg(&src).arg(&mut out).arg(&n).arg(&cycles);
+    // SAFETY: the kernel's signature is (u32*, u32*, u32, u64) and both buffers hold n u32s.
+    unsafe { launch.launch(cfg) }.unwrap();
+    src.record_stream(&sb).unwrap();
+    drop(src);
+    let mut fresh = a.alloc::<u32>(n as usize).unwrap();
+    assert_ne!(fresh.device_ptr_raw(), old, "reused while the kernel on stream B had yet to read it");
+    sa.memcpy_htod(&vec![9u32; n as usize], &mut fresh).unwrap();
+    sa.synchronize().unwrap();
+    let got = sb.clone_dtoh(&out).unwrap();
+    assert!(got.iter().all(|&x| x == 7), "the kernel read overwritten memory");
+    let reuse = a.alloc::<u32>(n as usize).unwrap();
+    assert_eq!(reuse.device_ptr_raw(), old, "not reused after the kernel finished");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernels_take_buffers_as_arguments() {
+    let a = gpu();
+    let ctx = a.context().clone();
+    let stream = a.current_stream();
+    let add_one = kernel(&ctx, "add_one");
+    let n: u32 = 100_003;
+    let mut x = a.alloc::<f32>(n as usize).unwrap();
+    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    stream.memcpy_htod(&host, &mut x).unwrap();
+    let mut launch = stream.launch_builder(&add_one);
+    launch.arg(&mut x).arg(&n);
+    // SAFETY: add_one takes (float*, u32) and x holds n floats.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
+    let back = stream.clone_dtoh(&x).unwrap();
+    assert!(back.iter().zip(&host).all(|(b, h)| *b == h + 1.0));
 }
 
 #[test]

@@ -4,17 +4,20 @@
 //! ```text
 //! mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]
 //! mempool-bench replay <trace>... [--backend sim|host|cuda]
+//! mempool-bench scope [--backend sim|host|cuda]
 //! ```
 //! `latency` prints `pair <bytes> <ns>` and `mixed <live> <ns>` lines (through `Buffer`), then the
 //! same through the raw byte API as `pair-raw` / `mixed-raw`. `replay` prints one line per rep:
 //! `mempool <trace> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`.
+//! `scope` prints `scope enter_exit <ns>`, then `scope pair_default <bytes> <ns>` and
+//! `scope pair_in_scope <bytes> <ns>` measured one after the other in the same run.
 //! The backend is CUDA device 0 when a GPU is present, else host memory (said on stderr).
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use mempool::sim::SimDevice;
-use mempool::{Allocator, Buffer, Kind};
+use mempool::{Allocator, Buffer, Kind, MemPool, PoolOptions};
 
 const PAIR_SIZES: [usize; 5] = [512, 4096, 1 << 20, 8 << 20, 64 << 20];
 const WARMUP: usize = 1_000;
@@ -112,6 +115,29 @@ fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
     }
 }
 
+/// Scope enter+exit, and pair latency inside a pool scope next to the default pools'.
+fn scope<K: Kind>(a: &Allocator<K>) {
+    let pool = MemPool::on(a, PoolOptions::new());
+    for _ in 0..WARMUP {
+        drop(std::hint::black_box(pool.scope()));
+    }
+    let n = timed() * 5;
+    let t = Instant::now();
+    for _ in 0..n {
+        drop(std::hint::black_box(pool.scope()));
+    }
+    println!("scope enter_exit {:.1}", t.elapsed().as_nanos() as f64 / n as f64);
+    for s in [512, 1 << 20] {
+        let default = pair(a, s);
+        let inside = {
+            let _scope = pool.scope();
+            pair(a, s)
+        };
+        println!("scope pair_default {s} {default:.1}");
+        println!("scope pair_in_scope {s} {inside:.1} ({:+.1}%)", (inside / default - 1.0) * 100.0);
+    }
+}
+
 enum Ev {
     Alloc(usize, usize),
     Free(usize),
@@ -178,12 +204,16 @@ fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String]) -> Result<(), Strin
             Ok(())
         }
         "replay" if !args.is_empty() => args.iter().try_for_each(|t| replay(&a, t)),
+        "scope" => {
+            scope(&a);
+            Ok(())
+        }
         _ => Err(usage()),
     }
 }
 
 fn usage() -> String {
-    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]".into()
+    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]".into()
 }
 
 fn main() -> ExitCode {

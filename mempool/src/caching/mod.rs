@@ -286,7 +286,8 @@ impl DeviceAllocator {
         let rounded = round_size(size, &st.config);
         let small = is_small(rounded);
         let set = st.set_for(pool.slot, stream, small);
-        let block = match st.best_fit(set, rounded) {
+        let no_split = st.no_split(pool.slot);
+        let block = match st.best_fit(set, rounded, no_split) {
             Some(b) => b,
             None => st.new_segment(be, size, rounded, set, (pool.slot, stream, small))?,
         };
@@ -529,12 +530,18 @@ impl State {
     /// at or above `size`, unless it is an unsplittable oversize block that would waste too much.
     /// In a `no_split` pool, a block serves only requests within 20 MiB of its size.
     #[inline]
-    fn best_fit(&mut self, set: u32, size: usize) -> Option<u32> {
+    fn best_fit(&mut self, set: u32, size: usize, no_split: bool) -> Option<u32> {
         let max_split = self.config.max_split_size;
         let k = self.sets[set as usize].take_best_fit(size, |block| {
-            !((size < max_split && block >= max_split) || (size >= max_split && block >= size + rounding::LARGE_BUFFER))
+            let whole_only = no_split || size >= max_split;
+            !((size < max_split && block >= max_split) || (whole_only && block >= size + rounding::LARGE_BUFFER))
         })?;
         Some(key_idx(k))
+    }
+
+    #[inline]
+    fn no_split(&self, pool: u32) -> bool {
+        pool != 0 && self.pools[pool as usize].spec.no_split
     }
 
     #[inline]
@@ -577,8 +584,7 @@ impl State {
         self.count_inactive(block, false);
         let b = &self.blocks[block as usize];
         let (small, pool) = (b.small, b.pool);
-        let no_split = pool != 0 && self.pools[pool as usize].spec.no_split;
-        if !no_split && should_split(b.size, rounded, small, self.config.max_split_size) {
+        if !self.no_split(pool) && should_split(b.size, rounded, small, self.config.max_split_size) {
             let rest = Block {
                 addr: b.addr + rounded as u64,
                 size: b.size - rounded,
@@ -643,10 +649,13 @@ impl State {
             Ok(a) => a,
             Err(Error::OutOfMemory(_)) => {
                 self.synchronize_events(be);
-                if let Some(b) = self.best_fit(set, rounded) {
+                if let Some(b) = self.best_fit(set, rounded, self.no_split(pool)) {
                     return Ok(b);
                 }
-                self.release_cached(be, |_| true);
+                // The default pools, released pools and this pool; live user pools keep theirs
+                // (they may be registered, and `use_on_oom` lenders are tried below).
+                let requester = self.pools[pool as usize].spec.id;
+                self.release_cached(be, |p| p.spec.id == PoolId::DEFAULT || p.released || p.spec.id == requester);
                 self.stats.num_alloc_retries += 1;
                 match self.raw_alloc(be, size, key) {
                     Ok(a) => a,
@@ -712,7 +721,7 @@ impl State {
             .collect();
         for p in lenders {
             if let Some(&set) = self.set_index.get(&(p, stream, small)) {
-                if let Some(b) = self.best_fit(set, rounded) {
+                if let Some(b) = self.best_fit(set, rounded, self.no_split(p)) {
                     return Some(b);
                 }
             }

@@ -1,0 +1,170 @@
+//! User pools and scopes: a counting allocator, allocations inside and outside nested scopes, a
+//! second thread, and a pool dropped while one of its buffers lives on.
+//!
+//! Runs on CUDA device 0 when there is one (the counting allocator uses `cuMemAlloc`), else on
+//! host memory. It checks what went where and ends with
+//! `pools: ok routed=<n> default=<n> released=<bytes>`; any failed check exits non-zero.
+//!
+//! ```sh
+//! cargo run --release --example pools
+//! ```
+
+use std::alloc::Layout;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{result, CudaContext};
+use mempool::{Allocator, BackendError, Kind, MemPool, PoolOptions, RawAllocator, StreamId};
+
+/// Where the counting allocator gets memory.
+#[derive(Clone)]
+enum Source {
+    Host,
+    Cuda(Arc<CudaContext>),
+}
+
+/// A `RawAllocator` that counts what it hands out and what comes back.
+#[derive(Clone)]
+struct Counting {
+    source: Source,
+    allocated: Arc<AtomicUsize>,
+    freed: Arc<AtomicUsize>,
+}
+
+impl RawAllocator for Counting {
+    fn name(&self) -> &str {
+        "counting"
+    }
+
+    fn alloc(&self, size: usize, _device: usize, _stream: StreamId) -> Result<u64, BackendError> {
+        let p = match &self.source {
+            Source::Host => {
+                let layout = Layout::from_size_align(size, 4096).map_err(|e| BackendError::Failed(e.to_string()))?;
+                // SAFETY: the size is non-zero (the caching allocator never asks for empty segments).
+                unsafe { std::alloc::alloc(layout) as u64 }
+            }
+            Source::Cuda(ctx) => {
+                ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+                // SAFETY: the context is current; the segment is ours until `free`.
+                unsafe { result::malloc_sync(size) }.map_err(|e| BackendError::Failed(e.to_string()))?
+            }
+        };
+        self.allocated.fetch_add(size, Ordering::Relaxed);
+        Ok(p)
+    }
+
+    fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+        match &self.source {
+            Source::Host => {
+                let layout = Layout::from_size_align(size, 4096).map_err(|e| BackendError::Failed(e.to_string()))?;
+                // SAFETY: `ptr` came from `std::alloc::alloc` with this layout and is freed once.
+                unsafe { std::alloc::dealloc(ptr as *mut u8, layout) };
+            }
+            Source::Cuda(ctx) => {
+                ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+                // SAFETY: `ptr` came from `malloc_sync` above and is freed once.
+                unsafe { result::free_sync(ptr) }.map_err(|e| BackendError::Failed(e.to_string()))?;
+            }
+        }
+        self.freed.fetch_add(size, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+struct Checks(Vec<String>);
+
+impl Checks {
+    fn check(&mut self, ok: bool, what: &str) {
+        println!("  [{}] {what}", if ok { "ok" } else { "FAILED" });
+        if !ok {
+            self.0.push(what.to_string());
+        }
+    }
+}
+
+fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode> {
+    let counting = Counting { source, allocated: Arc::default(), freed: Arc::default() };
+    let pool = MemPool::on(&alloc, PoolOptions::new().allocator(counting.clone()));
+    let device_pool = MemPool::on(&alloc, PoolOptions::new());
+    let mut c = Checks(Vec::new());
+    let in_pool = |p: &MemPool<K>| p.memory_stats().allocation.all.current;
+
+    println!("1. outside any scope: the default pools");
+    let plain = alloc.alloc::<f32>(1000)?;
+    c.check(in_pool(&pool) == 0, "an unscoped allocation stays out of the pool");
+
+    println!("2. nested scopes: the innermost wins");
+    let (a, b, d) = {
+        let _outer = pool.scope();
+        let a = alloc.alloc::<f32>(1 << 20)?;
+        let (b, d) = {
+            let _inner = device_pool.scope();
+            let b = alloc.alloc::<u8>(4096)?;
+            println!("3. another thread, same stream, while this thread is inside both scopes");
+            let alloc2 = alloc.clone();
+            let other = std::thread::spawn(move || alloc2.alloc::<u8>(4096).map(|b| b.device_ptr_raw())).join();
+            let d = other.expect("thread").is_ok();
+            (b, d)
+        };
+        (a, b, d)
+    };
+    c.check(in_pool(&pool) == 1, "the outer scope's allocation went to the counting pool");
+    c.check(in_pool(&device_pool) == 1, "the inner scope's allocation went to the inner pool");
+    c.check(d && in_pool(&pool) == 1 && in_pool(&device_pool) == 1, "another thread was not routed");
+
+    println!("4. a worker thread entering a Send scope handle");
+    let handle = pool.scope_handle();
+    let alloc2 = alloc.clone();
+    let worker = std::thread::spawn(move || {
+        let _s = handle.enter();
+        alloc2.alloc::<u8>(100).map(|b| b.device_ptr_raw())
+    });
+    let worker_ok = worker.join().expect("thread").is_ok();
+    c.check(worker_ok && pool.memory_stats().allocation.all.allocated == 2, "the worker's allocation went to the pool");
+
+    println!("5. the pool is dropped while one of its buffers lives on");
+    let routed =
+        (pool.memory_stats().allocation.all.allocated + device_pool.memory_stats().allocation.all.allocated) as usize;
+    drop(b);
+    drop(device_pool);
+    let before = counting.freed.load(Ordering::Relaxed);
+    drop(pool);
+    c.check(counting.freed.load(Ordering::Relaxed) > before, "free segments went back at once through its own free");
+    c.check(
+        counting.freed.load(Ordering::Relaxed) < counting.allocated.load(Ordering::Relaxed),
+        "the live buffer's segment stayed",
+    );
+    drop(a);
+    let released = counting.freed.load(Ordering::Relaxed);
+    c.check(
+        released == counting.allocated.load(Ordering::Relaxed),
+        "every byte went back through the counting allocator",
+    );
+    let total = alloc.memory_stats().allocation.all.allocated as usize;
+    let default = total - routed;
+    drop(plain);
+
+    if c.0.is_empty() {
+        println!("pools: ok routed={routed} default={default} released={released}");
+        Ok(ExitCode::SUCCESS)
+    } else {
+        println!("pools: FAILED {}", c.0.join("; "));
+        Ok(ExitCode::FAILURE)
+    }
+}
+
+fn main() -> mempool::Result<ExitCode> {
+    match mempool::device_count() {
+        Ok(n) if n > 0 => {
+            println!("pools on CUDA device 0");
+            let alloc = Allocator::cuda(0)?;
+            let ctx = alloc.context().clone();
+            run(alloc, Source::Cuda(ctx))
+        }
+        _ => {
+            println!("pools on the host device (no CUDA GPU here)");
+            run(Allocator::host_with(mempool::backend::host::HostBackend::plain(), Default::default()), Source::Host)
+        }
+    }
+}

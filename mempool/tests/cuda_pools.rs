@@ -1,0 +1,85 @@
+//! User pools on a real GPU: a pool over a counting allocator backed by `cuMemAlloc`.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{result, CudaContext, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, StreamId};
+
+/// `cuMemAlloc`/`cuMemFree`, counted.
+#[derive(Clone)]
+struct CountingCuda {
+    ctx: Arc<CudaContext>,
+    allocated: Arc<AtomicUsize>,
+    freed: Arc<AtomicUsize>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl RawAllocator for CountingCuda {
+    fn name(&self) -> &str {
+        "counting-cuMemAlloc"
+    }
+    fn alloc(&self, size: usize, _device: usize, _stream: StreamId) -> Result<u64, BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        // SAFETY: the context is current; the caller owns the segment until `free`.
+        let p = unsafe { result::malloc_sync(size) }.map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.allocated.fetch_add(size, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        Ok(p)
+    }
+    fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        // SAFETY: `ptr` came from `alloc` above and is freed once.
+        unsafe { result::free_sync(ptr) }.map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.freed.fetch_add(size, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pool_over_cumemalloc_in_a_scope_with_kernels_and_release() {
+    let a = Allocator::cuda(0).unwrap();
+    let ctx = a.context().clone();
+    let stream = a.current_stream();
+    let counting =
+        CountingCuda { ctx: ctx.clone(), allocated: Arc::default(), freed: Arc::default(), calls: Arc::default() };
+    let pool = MemPool::on(&a, PoolOptions::new().allocator(counting.clone()));
+    let add_one = ctx.load_module(Ptx::from_src(common::ptx::KERNELS)).unwrap().load_function("add_one").unwrap();
+    let n: u32 = 3 << 20;
+    let (mut x, y) = {
+        let _scope = pool.scope();
+        (a.alloc::<f32>(n as usize).unwrap(), a.alloc::<f32>(1000).unwrap())
+    };
+    let outside = a.alloc::<f32>(1000).unwrap();
+    assert_eq!(pool.memory_stats().allocation.all.current, 2);
+    assert!(counting.calls.load(Ordering::Relaxed) >= 1);
+    let snap = pool.snapshot();
+    assert!(snap.segments.iter().all(|s| s.pool == pool.id()));
+    assert!(!snap.segments.iter().any(|s| s.address == outside.device_ptr_raw()));
+    let host: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    stream.memcpy_htod(&host, &mut x).unwrap();
+    for _ in 0..3 {
+        let mut launch = stream.launch_builder(&add_one);
+        launch.arg(&mut x).arg(&n);
+        // SAFETY: add_one takes (float*, u32) and x holds n floats.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
+    }
+    let back = stream.clone_dtoh(&x).unwrap();
+    assert!(back.iter().zip(&host).all(|(b, h)| *b == h + 3.0), "kernel results wrong in pool memory");
+    stream.synchronize().unwrap();
+    drop(y);
+    drop(pool); // x still lives: its segment stays until x is dropped
+    let allocated = counting.allocated.load(Ordering::Relaxed);
+    assert!(counting.freed.load(Ordering::Relaxed) < allocated, "a live buffer's segment was freed");
+    drop(x);
+    assert_eq!(
+        counting.freed.load(Ordering::Relaxed),
+        allocated,
+        "not every byte went back through the pool's allocator"
+    );
+    drop(outside);
+}
