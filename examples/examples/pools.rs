@@ -88,7 +88,7 @@ fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode
     let pool = MemPool::on(&alloc, PoolOptions::new().allocator(counting.clone()));
     let device_pool = MemPool::on(&alloc, PoolOptions::new());
     let mut c = Checks(Vec::new());
-    let in_pool = |p: &MemPool<K>| p.memory_stats().allocation.all.current;
+    let in_pool = |p: &MemPool<K>| p.memory_stats().allocation.current;
 
     println!("1. outside any scope: the default pools");
     let plain = alloc.alloc::<f32>(1000)?;
@@ -121,11 +121,10 @@ fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode
         alloc2.alloc::<u8>(100).map(|b| b.device_ptr_raw())
     });
     let worker_ok = worker.join().expect("thread").is_ok();
-    c.check(worker_ok && pool.memory_stats().allocation.all.allocated == 2, "the worker's allocation went to the pool");
+    c.check(worker_ok && pool.memory_stats().allocation.allocated == 2, "the worker's allocation went to the pool");
 
     println!("5. the pool is dropped while one of its buffers lives on");
-    let routed =
-        (pool.memory_stats().allocation.all.allocated + device_pool.memory_stats().allocation.all.allocated) as usize;
+    let routed = (pool.memory_stats().allocation.allocated + device_pool.memory_stats().allocation.allocated) as usize;
     drop(b);
     drop(device_pool);
     let before = counting.freed.load(Ordering::Relaxed);

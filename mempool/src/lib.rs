@@ -53,7 +53,7 @@ pub use error::{Error, OomReport, Result};
 pub use pool::{MemPool, PoolOptions, RawAllocator};
 pub use scope::{PoolScope, ScopeHandle, Scoped};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
-pub use stats::{MemoryStats, Stat, StatArray};
+pub use stats::{MemoryStats, PoolStats, Stat, StatArray};
 pub use stream::StreamGuard;
 
 use std::cell::Cell;

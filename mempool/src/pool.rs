@@ -11,7 +11,7 @@
 //!     alloc.alloc::<f32>(1024)?
 //! };
 //! let outside = alloc.alloc::<f32>(1024)?;   // the default pools again
-//! assert_eq!(pool.memory_stats().allocation.all.current, 1);
+//! assert_eq!(pool.memory_stats().allocation.current, 1);
 //! assert_ne!(inside.device_ptr_raw(), outside.device_ptr_raw());
 //! # Ok::<(), mempool::Error>(())
 //! ```
@@ -26,7 +26,7 @@ use crate::buffer::Buffer;
 use crate::caching::{PoolId, PoolSpec};
 use crate::error::Result;
 use crate::snapshot::Snapshot;
-use crate::stats::MemoryStats;
+use crate::stats::PoolStats;
 
 /// Where a pool's segments come from: your own alloc/free functions.
 ///
@@ -205,8 +205,8 @@ impl<K: Kind> MemPool<K> {
         crate::caching::PoolRef { id: self.inner.id, slot: self.inner.slot }
     }
 
-    /// This pool's statistics.
-    pub fn memory_stats(&self) -> MemoryStats {
+    /// This pool's statistics (the device's [`memory_stats`](Allocator::memory_stats) include it).
+    pub fn memory_stats(&self) -> PoolStats {
         self.inner.alloc.shared.core.pool_stats(self.inner.slot)
     }
 

@@ -16,10 +16,10 @@
 //! {
 //!     let _inner = b.scope();
 //!     let x = alloc.alloc::<u8>(10)?;          // innermost: b
-//!     assert_eq!(b.memory_stats().allocation.all.current, 1);
+//!     assert_eq!(b.memory_stats().allocation.current, 1);
 //! }
 //! let y = alloc.alloc::<u8>(10)?;              // a again
-//! assert_eq!(a.memory_stats().allocation.all.current, 1);
+//! assert_eq!(a.memory_stats().allocation.current, 1);
 //! # Ok::<(), mempool::Error>(())
 //! ```
 

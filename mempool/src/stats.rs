@@ -72,6 +72,103 @@ impl Tally {
     }
 }
 
+/// A single running statistic: current, peak, total of increases.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Tally1 {
+    cur: i64,
+    peak: i64,
+    total: u64,
+}
+
+impl Tally1 {
+    #[inline]
+    pub(crate) fn add(&mut self, n: usize) {
+        self.cur += n as i64;
+        self.total += n as u64;
+        self.peak = self.peak.max(self.cur);
+    }
+
+    #[inline]
+    pub(crate) fn sub(&mut self, n: usize) {
+        self.cur -= n as i64;
+    }
+
+    fn stat(&self) -> Stat {
+        Stat { current: self.cur, peak: self.peak, allocated: self.total, freed: self.total - self.cur as u64 }
+    }
+}
+
+/// A user pool's own counters: the ones worth their cost on the allocation path (see
+/// [`PoolStats`]).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PoolCounters {
+    pub(crate) allocation: Tally1,
+    pub(crate) allocated_bytes: Tally1,
+    pub(crate) requested_bytes: Tally1,
+    pub(crate) segment: Tally1,
+    pub(crate) reserved_bytes: Tally1,
+    pub(crate) num_ooms: u64,
+    pub(crate) num_device_alloc: u64,
+    pub(crate) num_device_free: u64,
+}
+
+impl PoolCounters {
+    pub(crate) fn reset_peak(&mut self) {
+        for t in [
+            &mut self.allocation,
+            &mut self.allocated_bytes,
+            &mut self.requested_bytes,
+            &mut self.segment,
+            &mut self.reserved_bytes,
+        ] {
+            t.peak = t.cur;
+        }
+    }
+
+    pub(crate) fn report(&self, active_bytes: usize, inactive_split_bytes: usize) -> PoolStats {
+        PoolStats {
+            allocation: self.allocation.stat(),
+            allocated_bytes: self.allocated_bytes.stat(),
+            requested_bytes: self.requested_bytes.stat(),
+            segment: self.segment.stat(),
+            reserved_bytes: self.reserved_bytes.stat(),
+            active_bytes,
+            inactive_split_bytes,
+            num_ooms: self.num_ooms,
+            num_segment_alloc: self.num_device_alloc,
+            num_segment_free: self.num_device_free,
+        }
+    }
+}
+
+/// What [`MemPool::memory_stats`](crate::MemPool::memory_stats) returns: one pool's own figures.
+/// The device's [`MemoryStats`] include every pool; a pool tracks the statistics that matter per
+/// pool (with peaks and totals) and reports its active and non-releasable bytes as they are now,
+/// so that allocating inside a scope costs no more than outside one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Allocated blocks.
+    pub allocation: Stat,
+    /// Bytes in allocated blocks.
+    pub allocated_bytes: Stat,
+    /// Bytes the callers asked for.
+    pub requested_bytes: Stat,
+    /// Segments.
+    pub segment: Stat,
+    /// Bytes of all segments.
+    pub reserved_bytes: Stat,
+    /// Bytes in blocks that are allocated or awaiting other streams, now.
+    pub active_bytes: usize,
+    /// Bytes in free blocks of split segments, now.
+    pub inactive_split_bytes: usize,
+    /// Allocations into this pool that failed for lack of memory.
+    pub num_ooms: u64,
+    /// Segments obtained from the pool's allocator (or the device).
+    pub num_segment_alloc: u64,
+    /// Segments given back.
+    pub num_segment_free: u64,
+}
+
 /// Every counter of one allocator (see [`MemoryStats`] for their meaning).
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Counters {

@@ -215,6 +215,8 @@ fn allocate_until_refused_then_recover() {
 #[ignore = "needs a CUDA GPU"]
 fn raw_bytes_with_the_driver() {
     let a = gpu();
+    // Raw driver calls need the context current on this thread (cudarc's safe API binds it).
+    a.context().bind_to_thread().unwrap();
     let p = a.alloc_bytes(1 << 20).unwrap();
     // SAFETY: `p` is a live allocation of 1 MiB on device 0, whose context is current.
     unsafe { result::memset_d8_sync(p, 7, 1 << 20) }.unwrap();

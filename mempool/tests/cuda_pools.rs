@@ -55,7 +55,7 @@ fn pool_over_cumemalloc_in_a_scope_with_kernels_and_release() {
         (a.alloc::<f32>(n as usize).unwrap(), a.alloc::<f32>(1000).unwrap())
     };
     let outside = a.alloc::<f32>(1000).unwrap();
-    assert_eq!(pool.memory_stats().allocation.all.current, 2);
+    assert_eq!(pool.memory_stats().allocation.current, 2);
     assert!(counting.calls.load(Ordering::Relaxed) >= 1);
     let snap = pool.snapshot();
     assert!(snap.segments.iter().all(|s| s.pool == pool.id()));

@@ -123,8 +123,12 @@ fn scope_routes_this_thread_on_this_stream_only() {
     let after = a.alloc::<u8>(100).unwrap();
     assert!(!in_user_range(after.device_ptr_raw()));
     let ps = pool.memory_stats();
-    assert_eq!(ps.allocation.all.current, 1);
-    assert_eq!(ps.num_device_alloc, 1);
+    assert_eq!(ps.allocation.current, 1);
+    assert_eq!(ps.num_segment_alloc, 1);
+    assert_eq!((ps.allocated_bytes.current, ps.requested_bytes.current), (512, 100));
+    assert_eq!(ps.active_bytes, 512);
+    assert_eq!(ps.inactive_split_bytes, 2 * MIB - 512);
+    common::check_pool(&pool);
     assert_eq!(c.log().allocs, 1);
     assert_eq!(a.memory_stats().allocation.all.current, 4, "device stats count every pool");
     check_invariants(&a, Some(&sim));
@@ -163,12 +167,12 @@ fn nested_scopes_innermost_wins_and_out_of_order_drops_end_their_own() {
     let outer = pa.scope();
     let inner = pb.scope();
     let x = a.alloc::<u8>(10).unwrap();
-    assert_eq!(pb.memory_stats().allocation.all.current, 1, "innermost scope must win");
+    assert_eq!(pb.memory_stats().allocation.current, 1, "innermost scope must win");
     // Drop the outer guard first: the inner scope stays, the outer one ends.
     drop(outer);
     let y = a.alloc::<u8>(10).unwrap();
-    assert_eq!(pb.memory_stats().allocation.all.current, 2);
-    assert_eq!(pa.memory_stats().allocation.all.current, 0);
+    assert_eq!(pb.memory_stats().allocation.current, 2);
+    assert_eq!(pa.memory_stats().allocation.current, 0);
     drop(inner);
     let z = a.alloc::<u8>(10).unwrap();
     assert!(!in_user_range(z.device_ptr_raw()));
@@ -178,7 +182,7 @@ fn nested_scopes_innermost_wins_and_out_of_order_drops_end_their_own() {
         let _i = pb.scope();
         let _again = pa.scope();
         let w = a.alloc::<u8>(10).unwrap();
-        assert_eq!(pa.memory_stats().allocation.all.current, 1);
+        assert_eq!(pa.memory_stats().allocation.current, 1);
         drop(w);
     }
     drop((x, y));
@@ -245,7 +249,7 @@ fn use_on_oom_lends_free_blocks_to_the_default_pools() {
                                                     // The device is full; the default pools borrow the lender's free block.
     let borrowed = a.alloc::<u8>(MIB).unwrap();
     assert_eq!(borrowed.device_ptr_raw(), p);
-    assert_eq!(lender.memory_stats().allocation.all.current, 1, "the block still belongs to the lender");
+    assert_eq!(lender.memory_stats().allocation.current, 1, "the block still belongs to the lender");
     drop(borrowed);
     let back = lender.alloc::<u8>(MIB).unwrap();
     assert_eq!(back.device_ptr_raw(), p, "the block did not return to its own pool");
@@ -327,9 +331,9 @@ fn failing_user_free_is_reported_by_the_next_call() {
     c.log().fail_frees = 1;
     let err = pool.empty_cache().unwrap_err();
     assert!(err.to_string().contains("free of segment") && err.to_string().contains("counting"), "{err}");
-    assert_eq!(pool.memory_stats().reserved_bytes.all.current, 2 * MIB as i64, "accounting lost the segment");
+    assert_eq!(pool.memory_stats().reserved_bytes.current, 2 * MIB as i64, "accounting lost the segment");
     pool.empty_cache().unwrap();
-    assert_eq!(pool.memory_stats().reserved_bytes.all.current, 0);
+    assert_eq!(pool.memory_stats().reserved_bytes.current, 0);
     // From a Drop (pool release): kept and reported by the next allocation.
     let b = pool.alloc::<u8>(100).unwrap();
     drop(b);
@@ -472,6 +476,12 @@ fn snapshot_tells_pools_apart() {
     let pool = pool_of(&a, &c);
     let _x = pool.alloc::<u8>(5000).unwrap();
     let _y = a.alloc::<u8>(5000).unwrap();
+    drop(pool.alloc::<u8>(70000).unwrap());
+    common::check_pool(&pool);
+    let ps = pool.memory_stats();
+    assert_eq!(ps.allocated_bytes.peak, 5120 + 70144);
+    assert_eq!(ps.allocated_bytes.allocated, 5120 + 70144);
+    assert_eq!(ps.allocated_bytes.freed, 70144);
     let all = a.snapshot();
     assert_eq!(all.segments.len(), 2);
     let mine = pool.snapshot();

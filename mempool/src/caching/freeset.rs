@@ -116,7 +116,7 @@ impl FreeSet {
         Some(found)
     }
 
-    #[inline]
+    #[inline(always)]
     fn first_at_or_above(&self, c: usize, k: Key) -> Option<Key> {
         if !bit(&self.nonempty, c) {
             return None;
@@ -151,7 +151,7 @@ impl FreeSet {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub(super) fn insert(&mut self, k: Key) {
         let c = class_of(key_size(k));
         set_bit(&mut self.nonempty, c, true);
@@ -174,13 +174,13 @@ impl FreeSet {
     }
 
     /// Removes `k`; returns whether it was there.
-    #[inline]
+    #[inline(always)]
     pub(super) fn remove(&mut self, k: Key) -> bool {
         let c = class_of(key_size(k));
         self.remove_from(c, k)
     }
 
-    #[inline]
+    #[inline(always)]
     fn remove_from(&mut self, c: usize, k: Key) -> bool {
         if bit(&self.tree, c) {
             let t = self.tree_mut(c);

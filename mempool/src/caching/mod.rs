@@ -21,7 +21,7 @@ use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::pool::RawAllocator;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
-use crate::stats::{Counters, MemoryStats};
+use crate::stats::{Counters, MemoryStats, PoolCounters, PoolStats};
 use crate::trace::{self, Action};
 use freeset::{key, key_idx, FreeSet};
 use rounding::{is_small, round_size, segment_size, should_split};
@@ -92,7 +92,7 @@ impl std::fmt::Debug for PoolSpec {
 #[derive(Debug)]
 struct PoolState {
     spec: PoolSpec,
-    stats: Counters,
+    stats: PoolCounters,
     segments: usize,
     /// Its last handle is gone: segments go back as soon as they are wholly free.
     released: bool,
@@ -143,20 +143,6 @@ type SetKey = (u32, StreamId, bool);
 
 /// Largest block size the packed free-set key holds (1 TiB); larger requests are refused up front.
 pub(crate) const MAX_BLOCK: usize = (1 << 40) - 1;
-
-/// Updates a counter of the device and, for a user pool, the same counter of the pool.
-macro_rules! tally {
-    ($st:expr, $pool:expr, |$c:ident| $e:expr) => {{
-        {
-            let $c = &mut $st.stats;
-            $e;
-        }
-        if $pool != 0 {
-            let $c = &mut $st.pools[$pool as usize].stats;
-            $e;
-        }
-    }};
-}
 
 /// Everything behind the allocator's lock.
 #[derive(Debug)]
@@ -210,7 +196,7 @@ impl DeviceAllocator {
                 granularity: 512,
                 name: backend.kind().to_string(),
             },
-            stats: Counters::default(),
+            stats: PoolCounters::default(),
             segments: 0,
             released: false,
             live: true,
@@ -245,23 +231,28 @@ impl DeviceAllocator {
     }
 
     /// The state, locked; frees deferred by trace callbacks are done first.
-    #[inline]
+    #[inline(always)]
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while the lock was held is a bug in this module; the state is still the best
         // there is, and `Drop` paths must not panic on a poisoned lock.
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if self.has_deferred.load(Ordering::Relaxed) {
-            self.has_deferred.store(false, Ordering::Relaxed);
-            let blocks = std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
-            for b in blocks {
-                st.free(&*self.backend, b);
-            }
+            self.free_deferred(&mut st);
         }
         st
     }
 
+    #[cold]
+    fn free_deferred(&self, st: &mut State) {
+        self.has_deferred.store(false, Ordering::Relaxed);
+        let blocks = std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
+        for b in blocks {
+            st.free(&*self.backend, b);
+        }
+    }
+
     /// The state for a call that can report [`Error::Reentrant`].
-    #[inline]
+    #[inline(always)]
     fn enter(&self) -> Result<MutexGuard<'_, State>> {
         if trace::in_hook() {
             return Err(Error::Reentrant);
@@ -383,9 +374,22 @@ impl DeviceAllocator {
         st.stats.report(st.config.max_split_size)
     }
 
-    pub(crate) fn pool_stats(&self, slot: u32) -> MemoryStats {
+    pub(crate) fn pool_stats(&self, slot: u32) -> PoolStats {
         let st = self.lock();
-        st.pools[slot as usize].stats.report(st.config.max_split_size)
+        let (mut active, mut inactive) = (0, 0);
+        for s in st.segments.iter().filter(|s| s.live && s.pool == slot) {
+            let mut b = s.head;
+            while b != NONE {
+                let blk = &st.blocks[b as usize];
+                match blk.state {
+                    BlockState::Free if blk.is_split() => inactive += blk.size,
+                    BlockState::Free => {}
+                    _ => active += blk.size,
+                }
+                b = blk.next;
+            }
+        }
+        st.pools[slot as usize].stats.report(active, inactive)
     }
 
     pub(crate) fn reset_peak_stats(&self) {
@@ -416,7 +420,7 @@ impl DeviceAllocator {
     /// Adds a user pool; returns its slot.
     pub(crate) fn register_pool(&self, spec: PoolSpec) -> u32 {
         let mut st = self.lock();
-        let p = PoolState { spec, stats: Counters::default(), segments: 0, released: false, live: true };
+        let p = PoolState { spec, stats: PoolCounters::default(), segments: 0, released: false, live: true };
         match st.pools.iter().position(|p| !p.live) {
             Some(i) => {
                 st.pools[i] = p;
@@ -496,7 +500,7 @@ impl State {
         trace::dispatch(action, be.device(), self.pools[b.pool as usize].spec.id, b.addr, b.size, stream);
     }
 
-    #[inline]
+    #[inline(always)]
     fn set_for(&mut self, pool: u32, stream: StreamId, small: bool) -> u32 {
         let k = (pool, stream, small);
         if self.last_set.0 == k {
@@ -512,7 +516,7 @@ impl State {
         i
     }
 
-    #[inline]
+    #[inline(always)]
     fn new_block(&mut self, b: Block) -> u32 {
         match self.free_blocks.pop() {
             Some(i) => {
@@ -529,7 +533,7 @@ impl State {
     /// The best fitting free block of the set, removed from it; PyTorch's rule: the smallest block
     /// at or above `size`, unless it is an unsplittable oversize block that would waste too much.
     /// In a `no_split` pool, a block serves only requests within 20 MiB of its size.
-    #[inline]
+    #[inline(always)]
     fn best_fit(&mut self, set: u32, size: usize, no_split: bool) -> Option<u32> {
         let max_split = self.config.max_split_size;
         let k = self.sets[set as usize].take_best_fit(size, |block| {
@@ -539,41 +543,37 @@ impl State {
         Some(key_idx(k))
     }
 
-    #[inline]
+    #[inline(always)]
     fn no_split(&self, pool: u32) -> bool {
         pool != 0 && self.pools[pool as usize].spec.no_split
     }
 
-    #[inline]
+    #[inline(always)]
     fn insert_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
         self.sets[blk.set as usize].insert(key(blk.size, blk.addr, b));
     }
 
-    #[inline]
+    #[inline(always)]
     fn remove_free(&mut self, b: u32) {
         let blk = &self.blocks[b as usize];
         self.sets[blk.set as usize].remove(key(blk.size, blk.addr, b));
     }
 
     /// Counts (`+1`) or uncounts (`-1`) a free block in the inactive-split stats.
-    #[inline]
+    #[inline(always)]
     fn count_inactive(&mut self, b: u32, add: bool) {
         let blk = &self.blocks[b as usize];
         if blk.state != BlockState::Free || !blk.is_split() {
             return;
         }
-        let (size, small, pool) = (blk.size, blk.small, blk.pool);
+        let (size, small) = (blk.size, blk.small);
         if add {
-            tally!(self, pool, |c| {
-                c.inactive_split.add(small, 1);
-                c.inactive_split_bytes.add(small, size)
-            });
+            self.stats.inactive_split.add(small, 1);
+            self.stats.inactive_split_bytes.add(small, size);
         } else {
-            tally!(self, pool, |c| {
-                c.inactive_split.sub(small, 1);
-                c.inactive_split_bytes.sub(small, size)
-            });
+            self.stats.inactive_split.sub(small, 1);
+            self.stats.inactive_split_bytes.sub(small, size);
         }
     }
 
@@ -615,16 +615,21 @@ impl State {
         b.requested = requested;
         let (size, addr) = (b.size, b.addr);
         let oversize = size >= self.config.max_split_size;
-        tally!(self, pool, |c| {
-            c.allocation.add(small, 1);
-            c.allocated_bytes.add(small, size);
-            c.active.add(small, 1);
-            c.active_bytes.add(small, size);
-            c.requested_bytes.add(small, requested);
-            if oversize {
-                c.oversize_allocations.add(false, 1);
-            }
-        });
+        let c = &mut self.stats;
+        c.allocation.add(small, 1);
+        c.allocated_bytes.add(small, size);
+        c.active.add(small, 1);
+        c.active_bytes.add(small, size);
+        c.requested_bytes.add(small, requested);
+        if oversize {
+            c.oversize_allocations.add(false, 1);
+        }
+        if pool != 0 {
+            let p = &mut self.pools[pool as usize].stats;
+            p.allocation.add(1);
+            p.allocated_bytes.add(size);
+            p.requested_bytes.add(requested);
+        }
         Allocation { block, addr }
     }
 
@@ -700,14 +705,17 @@ impl State {
         self.segments[seg_idx as usize].head = block;
         self.pools[pool as usize].segments += 1;
         let oversize = size >= self.config.max_split_size;
-        tally!(self, pool, |c| {
-            c.segment.add(small, 1);
-            c.reserved_bytes.add(small, size);
-            c.num_device_alloc += 1;
-            if oversize {
-                c.oversize_segments.add(false, 1);
-            }
-        });
+        let c = &mut self.stats;
+        c.segment.add(small, 1);
+        c.reserved_bytes.add(small, size);
+        c.num_device_alloc += 1;
+        if oversize {
+            c.oversize_segments.add(false, 1);
+        }
+        let p = &mut self.pools[pool as usize].stats;
+        p.segment.add(1);
+        p.reserved_bytes.add(size);
+        p.num_device_alloc += 1;
         if trace::enabled() {
             self.emit(be, Action::SegmentAlloc, block);
         }
@@ -730,7 +738,8 @@ impl State {
     }
 
     fn oom(&mut self, be: &dyn Backend, requested: usize, pool: u32) -> Error {
-        tally!(self, pool, |c| c.num_ooms += 1);
+        self.stats.num_ooms += 1;
+        self.pools[pool as usize].stats.num_ooms += 1;
         if trace::enabled() {
             trace::dispatch(Action::Oom, be.device(), self.pools[pool as usize].spec.id, 0, requested, StreamId(0));
         }
@@ -806,14 +815,19 @@ impl State {
             Vec::new()
         };
         let oversize = size >= self.config.max_split_size;
-        tally!(self, pool, |c| {
-            c.allocation.sub(small, 1);
-            c.allocated_bytes.sub(small, size);
-            c.requested_bytes.sub(small, requested);
-            if oversize {
-                c.oversize_allocations.sub(false, 1);
-            }
-        });
+        let c = &mut self.stats;
+        c.allocation.sub(small, 1);
+        c.allocated_bytes.sub(small, size);
+        c.requested_bytes.sub(small, requested);
+        if oversize {
+            c.oversize_allocations.sub(false, 1);
+        }
+        if pool != 0 {
+            let p = &mut self.pools[pool as usize].stats;
+            p.allocation.sub(1);
+            p.allocated_bytes.sub(size);
+            p.requested_bytes.sub(requested);
+        }
         if trace::enabled() {
             self.emit(be, Action::FreeRequested, block);
         }
@@ -852,10 +866,8 @@ impl State {
         b.state = BlockState::Free;
         b.requested = 0;
         b.pending = 0;
-        tally!(self, pool, |c| {
-            c.active.sub(small, 1);
-            c.active_bytes.sub(small, size)
-        });
+        self.stats.active.sub(small, 1);
+        self.stats.active_bytes.sub(small, size);
         let mut cur = block;
         let prev = self.blocks[cur as usize].prev;
         if prev != NONE && self.blocks[prev as usize].state == BlockState::Free {
@@ -884,7 +896,7 @@ impl State {
     }
 
     /// Merges `b`'s successor into `b`; neither may be in a set.
-    #[inline]
+    #[inline(always)]
     fn merge_next_into(&mut self, b: u32) {
         let n = self.blocks[b as usize].next;
         let (nsize, nnext) = (self.blocks[n as usize].size, self.blocks[n as usize].next);
@@ -1009,14 +1021,17 @@ impl State {
         self.free_segments.push(seg);
         self.pools[pool as usize].segments -= 1;
         let oversize = size >= self.config.max_split_size;
-        tally!(self, pool, |c| {
-            c.segment.sub(small, 1);
-            c.reserved_bytes.sub(small, size);
-            c.num_device_free += 1;
-            if oversize {
-                c.oversize_segments.sub(false, 1);
-            }
-        });
+        let c = &mut self.stats;
+        c.segment.sub(small, 1);
+        c.reserved_bytes.sub(small, size);
+        c.num_device_free += 1;
+        if oversize {
+            c.oversize_segments.sub(false, 1);
+        }
+        let p = &mut self.pools[pool as usize].stats;
+        p.segment.sub(1);
+        p.reserved_bytes.sub(size);
+        p.num_device_free += 1;
     }
 
     /// With `garbage_collection_threshold` set: once reserved memory passes that fraction of the

@@ -4,7 +4,7 @@
 pub mod ptx;
 
 use mempool::sim::SimDevice;
-use mempool::{Allocator, BlockState, Kind, MemoryStats, Snapshot, StatArray};
+use mempool::{Allocator, BlockState, Kind, MemPool, MemoryStats, Snapshot, StatArray};
 
 /// xorshift64, as in the anchors' workloads.
 pub struct Rng(pub u64);
@@ -134,5 +134,29 @@ pub fn check_stats(snap: &Snapshot, stats: &MemoryStats) {
     for a in [&stats.segment, &stats.reserved_bytes, &stats.allocation, &stats.allocated_bytes, &stats.active_bytes] {
         assert!(a.all.peak >= a.all.current);
         assert_eq!(a.all.allocated as i64 - a.all.freed as i64, a.all.current);
+    }
+}
+
+/// A pool's statistics against its own segments.
+pub fn check_pool<K: Kind>(pool: &MemPool<K>) {
+    let snap = pool.snapshot();
+    check_snapshot(&snap);
+    let s = pool.memory_stats();
+    let blocks = || snap.segments.iter().flat_map(|seg| seg.blocks.iter().map(move |b| (seg, b)));
+    let allocated = || blocks().filter(|(_, b)| b.state == BlockState::Allocated);
+    assert_eq!(s.segment.current as usize, snap.segments.len());
+    assert_eq!(s.reserved_bytes.current as usize, snap.reserved());
+    assert_eq!(s.allocation.current as usize, allocated().count());
+    assert_eq!(s.allocated_bytes.current as usize, allocated().map(|(_, b)| b.size).sum::<usize>());
+    assert_eq!(s.requested_bytes.current as usize, allocated().map(|(_, b)| b.requested_size).sum::<usize>());
+    assert_eq!(
+        s.active_bytes,
+        blocks().filter(|(_, b)| b.state != BlockState::Free).map(|(_, b)| b.size).sum::<usize>()
+    );
+    let inactive = blocks().filter(|(seg, b)| b.state == BlockState::Free && seg.blocks.len() > 1).map(|(_, b)| b.size);
+    assert_eq!(s.inactive_split_bytes, inactive.sum::<usize>());
+    for st in [&s.segment, &s.reserved_bytes, &s.allocation, &s.allocated_bytes, &s.requested_bytes] {
+        assert!(st.peak >= st.current);
+        assert_eq!(st.allocated as i64 - st.freed as i64, st.current);
     }
 }
