@@ -30,6 +30,8 @@
 //! | [`stats`] | [`MemoryStats`] and the summary table |
 //! | [`snapshot`] | segments and blocks as they are now |
 
+#[doc(hidden)]
+pub mod __private;
 pub mod allocator;
 pub mod backend;
 pub mod buffer;
@@ -55,6 +57,9 @@ pub use scope::{PoolScope, ScopeHandle, Scoped};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use stats::{MemoryStats, PoolStats, Stat, StatArray};
 pub use stream::StreamGuard;
+
+#[doc(inline)]
+pub use mempool_macros::{begin_pool, end_pool, pool_scope, pool_scopes, with_pool};
 
 use std::cell::Cell;
 

@@ -92,6 +92,17 @@ impl<K: Kind> MemPool<K> {
     pub fn scoped<F: Future>(&self, fut: F) -> Scoped<K, F> {
         Scoped { pool: self.clone(), stream: self.inner.alloc.current_stream_id(), fut: Box::pin(fut) }
     }
+
+    /// Like [`scoped`](Self::scoped), for allocations on `stream` (an error if it belongs to
+    /// another device).
+    pub fn scoped_on<F: Future>(&self, stream: &K::Stream, fut: F) -> Result<Scoped<K, F>> {
+        let found = K::stream_device(stream, self.device());
+        if found != self.device() {
+            return Err(Error::WrongDevice { what: "MemPool::scoped_on", expected: self.device(), found });
+        }
+        K::register(&self.inner.alloc.shared, stream);
+        Ok(Scoped { pool: self.clone(), stream: K::stream_id(stream), fut: Box::pin(fut) })
+    }
 }
 
 /// A `Send` handle that routes to a pool from whatever thread enters it. Made by
