@@ -44,9 +44,17 @@ impl PoolArgs {
         if named_ahead(input) {
             return Err(input.error(format!("the pool expression comes first: `{}`; {VALID}", example(what))));
         }
-        let pool: Expr = input.parse()?;
+        // No struct literals: `pool { .. }` is a pool followed by a block, not a struct.
+        let pool = Expr::parse_without_eager_brace(input)?;
         let mut args = PoolArgs { pool, stream: None, krate: None };
         while !done(input) {
+            if !input.peek(Token![,]) {
+                return Err(input.error(if stop_at_arrow {
+                    "expected `=>` and a block after the pool: `pool_scope!(my_pool => { ... })`".to_string()
+                } else {
+                    format!("expected `,` and a named argument after the pool; {VALID}")
+                }));
+            }
             input.parse::<Token![,]>()?;
             if done(input) {
                 break;

@@ -10,14 +10,15 @@
 //! same through the raw byte API as `pair-raw` / `mixed-raw`. `replay` prints one line per rep:
 //! `mempool <trace> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`.
 //! `scope` prints `scope enter_exit <ns>`, then `scope pair_default <bytes> <ns>` and
-//! `scope pair_in_scope <bytes> <ns>` measured one after the other in the same run.
+//! `scope pair_in_scope <bytes> <ns>` measured one after the other in the same run, then a scope
+//! around every pair by hand (`pair_with_guard`), through `pool_scope!` and through `#[with_pool]`.
 //! The backend is CUDA device 0 when a GPU is present, else host memory (said on stderr).
 
 use std::process::ExitCode;
 use std::time::Instant;
 
 use mempool::sim::SimDevice;
-use mempool::{Allocator, Buffer, Kind, MemPool, PoolOptions};
+use mempool::{pool_scope, with_pool, Allocator, Buffer, Kind, MemPool, PoolOptions};
 
 const PAIR_SIZES: [usize; 5] = [512, 4096, 1 << 20, 8 << 20, 64 << 20];
 const WARMUP: usize = 1_000;
@@ -136,6 +137,32 @@ fn scope<K: Kind>(a: &Allocator<K>) {
         println!("scope pair_default {s} {default:.1}");
         println!("scope pair_in_scope {s} {inside:.1} ({:+.1}%)", (inside / default - 1.0) * 100.0);
     }
+    // A scope entered and left around every pair: by hand, through `pool_scope!`, and through a
+    // `#[with_pool]` function. The macros should cost what the guard costs.
+    let per_pair = |f: &dyn Fn()| {
+        for _ in 0..WARMUP {
+            f();
+        }
+        let t = Instant::now();
+        for _ in 0..timed() {
+            f();
+        }
+        t.elapsed().as_nanos() as f64 / timed() as f64
+    };
+    let guard = per_pair(&|| {
+        let _scope = pool.scope();
+        drop(a.alloc::<u8>(512).expect("alloc"));
+    });
+    let with_macro = per_pair(&|| pool_scope!(pool => { drop(a.alloc::<u8>(512).expect("alloc")) }));
+    let attr = per_pair(&|| scoped_pair(a, &pool));
+    println!("scope pair_with_guard 512 {guard:.1}");
+    println!("scope pair_with_pool_scope_macro 512 {with_macro:.1} ({:+.1}%)", (with_macro / guard - 1.0) * 100.0);
+    println!("scope pair_with_pool_attribute 512 {attr:.1} ({:+.1}%)", (attr / guard - 1.0) * 100.0);
+}
+
+#[with_pool(pool)]
+fn scoped_pair<K: Kind>(a: &Allocator<K>, pool: &MemPool<K>) {
+    drop(a.alloc::<u8>(512).expect("alloc"));
 }
 
 enum Ev {

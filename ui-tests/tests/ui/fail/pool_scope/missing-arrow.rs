@@ -1,0 +1,11 @@
+// No `=>` between the pool and the block.
+#![allow(unused)]
+use mempool::sim::SimDevice;
+use mempool::{Allocator, MemPool, PoolOptions, Sim};
+use mempool::pool_scope;
+
+fn main() {
+    let alloc = Allocator::sim(SimDevice::new(1 << 20));
+    let pool = MemPool::on(&alloc, PoolOptions::new());
+    pool_scope!(pool { alloc.alloc::<u8>(1).unwrap(); });
+}
