@@ -1,0 +1,133 @@
+//! `ncclMemAlloc` as a pool's allocator.
+
+use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys as cu;
+use cudarc::driver::CudaContext;
+use cudarc::nccl::sys;
+use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, StreamId};
+
+use crate::error::{Error, Result};
+
+/// Whether libnccl can be loaded (probed once: cudarc panics when it cannot).
+pub(crate) fn check_nccl() -> Result<()> {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: `is_culib_present` only tries to open the library by name.
+    if *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() }) {
+        Ok(())
+    } else {
+        Err(Error::NoNccl)
+    }
+}
+
+/// NCCL's version as `(major, minor, patch)`.
+pub fn nccl_version() -> Result<(u32, u32, u32)> {
+    check_nccl()?;
+    let v = cudarc::nccl::result::get_nccl_version().map_err(|e| crate::error::nccl("ncclGetVersion", e))? as u32;
+    Ok((v / 10000, v / 100 % 100, v % 100))
+}
+
+/// The driver's recommended allocation granularity for device memory of `device` (2 MiB on
+/// Hopper): segments are sized and aligned to it, as NCCL's registration and NVLS want.
+pub fn recommended_granularity(ctx: &Arc<CudaContext>) -> Result<usize> {
+    ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
+    // SAFETY: every field of the C struct is an integer, an enum with a zero variant (`INVALID`,
+    // `NONE`) or a pointer, so all-zero is a valid value; the fields that matter are set below.
+    let mut prop: cu::CUmemAllocationProp = unsafe { std::mem::MaybeUninit::zeroed().assume_init() };
+    prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ctx.ordinal() as i32;
+    let mut gran = 0usize;
+    // SAFETY: `prop` describes device memory of an existing device; `gran` is a valid out pointer.
+    unsafe {
+        cu::cuMemGetAllocationGranularity(
+            &mut gran,
+            &prop,
+            cu::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        )
+    }
+    .result()
+    .map_err(|e| Error::Cuda(e.to_string()))?;
+    Ok(gran.max(512))
+}
+
+/// A [`RawAllocator`] over `ncclMemAlloc` / `ncclMemFree`: memory NCCL can register for zero-copy
+/// collectives (and, where the machine allows, NVLS reductions).
+#[derive(Debug, Clone)]
+pub struct NcclMemAllocator {
+    ctx: Arc<CudaContext>,
+    granularity: usize,
+}
+
+impl NcclMemAllocator {
+    /// For CUDA device `device`. Errors: no NCCL, no such device.
+    pub fn new(device: usize) -> Result<NcclMemAllocator> {
+        check_nccl()?;
+        let ctx = Allocator::cuda(device)?.context().clone();
+        let granularity = recommended_granularity(&ctx)?;
+        Ok(NcclMemAllocator { ctx, granularity })
+    }
+}
+
+impl RawAllocator for NcclMemAllocator {
+    fn name(&self) -> &str {
+        "ncclMemAlloc"
+    }
+
+    fn alloc(&self, size: usize, device: usize, _stream: StreamId) -> Result<u64, BackendError> {
+        if device != self.ctx.ordinal() {
+            return Err(BackendError::Failed(format!(
+                "ncclMemAlloc allocator of device {} asked for memory of device {device}",
+                self.ctx.ordinal()
+            )));
+        }
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the device's context is current; `p` is a valid out pointer; the memory is
+        // owned by the caller until `free`.
+        let r = unsafe { sys::ncclMemAlloc(&mut p, size) };
+        if r == sys::ncclResult_t::ncclSuccess && !p.is_null() {
+            return Ok(p as u64);
+        }
+        // NCCL reports a failed cuMem allocation as an unhandled CUDA error: tell out-of-memory
+        // apart by what the device has left.
+        let free = self.ctx.mem_get_info().map(|(free, _)| free).unwrap_or(usize::MAX);
+        if size > free || r == sys::ncclResult_t::ncclSuccess {
+            Err(BackendError::OutOfMemory)
+        } else {
+            Err(BackendError::Failed(format!("ncclMemAlloc({size}) returned {r:?}")))
+        }
+    }
+
+    fn free(&self, ptr: u64, _size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        // SAFETY: `ptr` came from `ncclMemAlloc` above and the pool frees each segment once,
+        // after the trace hooks deregistered it from every communicator.
+        match unsafe { sys::ncclMemFree(ptr as *mut c_void) } {
+            sys::ncclResult_t::ncclSuccess => Ok(()),
+            r => Err(BackendError::Failed(format!("ncclMemFree returned {r:?}"))),
+        }
+    }
+
+    fn granularity(&self) -> usize {
+        self.granularity
+    }
+}
+
+/// A pool of CUDA device `device` whose segments come from `ncclMemAlloc`.
+///
+/// ```no_run
+/// use mempool::with_pool;
+/// let nccl_pool = mempool_nccl::nccl_pool(0)?;
+/// # Ok::<(), mempool_nccl::Error>(())
+/// ```
+pub fn nccl_pool(device: usize) -> Result<MemPool> {
+    nccl_pool_with(device, PoolOptions::new())
+}
+
+/// Like [`nccl_pool`], with options (`no_split`, `use_on_oom`...); the allocator is set here.
+pub fn nccl_pool_with(device: usize, options: PoolOptions) -> Result<MemPool> {
+    let a = NcclMemAllocator::new(device)?;
+    Ok(MemPool::on(&Allocator::cuda(device)?, options.allocator(a)))
+}

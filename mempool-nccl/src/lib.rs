@@ -1,0 +1,38 @@
+//! # mempool-nccl
+//!
+//! NCCL for [mempool]: pools backed by `ncclMemAlloc` whose segments are registered with NCCL
+//! communicators (and deregistered before they are freed), so that collectives on them run
+//! zero-copy and, on NVSwitch machines where NCCL chooses it, as NVLS reductions.
+//!
+//! ```no_run
+//! use mempool::with_pool;
+//! use mempool_nccl::{nccl_pool, Communicator, ReduceOp};
+//!
+//! let comm = Communicator::from_env()?;              // RANK/WORLD_SIZE/LOCAL_RANK, MASTER_ADDR/PORT
+//! let pool = nccl_pool(comm.device())?;
+//! let _registration = comm.register_pool(&pool)?;    // existing and future segments
+//! let alloc = mempool::Allocator::cuda(comm.device())?;
+//! let stream = alloc.current_stream();
+//! let mut grads = pool.alloc::<f32>(1 << 20)?;       // or inside #[with_pool(pool)]
+//! comm.all_reduce_in_place(&mut grads, ReduceOp::Sum, &stream)?;
+//! # Ok::<(), mempool_nccl::Error>(())
+//! ```
+//!
+//! | module | what |
+//! | --- | --- |
+//! | [`alloc`] | [`NcclMemAllocator`], [`nccl_pool`] |
+//! | [`comm`] | [`Communicator`], [`Id`], collectives, [`LaunchEnv`] |
+//! | [`register`] | [`Registration`], [`Registrar`] |
+//!
+//! NVLink multicast (NVLS) is never forced on: NCCL picks it where the machine and
+//! `NCCL_NVLS_ENABLE` allow.
+
+pub mod alloc;
+pub mod comm;
+pub mod error;
+pub mod register;
+
+pub use alloc::{nccl_pool, nccl_pool_with, nccl_version, NcclMemAllocator};
+pub use comm::{Bf16, Communicator, Id, LaunchEnv, NcclType, ReduceOp};
+pub use error::{Error, Result};
+pub use register::{Registrar, Registration};

@@ -1,0 +1,280 @@
+//! The registration bookkeeping on the simulated device, through a recording registrar: which
+//! segment is registered, in which order, across pool growth, release and communicator drop.
+
+use std::sync::{Arc, Mutex};
+
+use mempool::sim::SimDevice;
+use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, Sim, StreamId};
+use mempool_nccl::{Error, LaunchEnv, Registrar, Registration};
+
+#[derive(Default)]
+struct Book {
+    next_handle: u64,
+    live: Vec<(u64, u64, usize)>, // handle, addr, size
+    log: Vec<String>,
+    refuse: Option<u64>,
+}
+
+/// Records every call; a registration is live from `register` to `deregister`.
+#[derive(Clone, Default)]
+struct Recording(Arc<Mutex<Book>>);
+
+impl Recording {
+    fn live(&self) -> Vec<(u64, usize)> {
+        let mut v: Vec<_> = self.0.lock().unwrap().live.iter().map(|l| (l.1, l.2)).collect();
+        v.sort_unstable();
+        v
+    }
+    fn log(&self) -> Vec<String> {
+        self.0.lock().unwrap().log.clone()
+    }
+}
+
+impl Registrar for Recording {
+    fn register(&self, addr: u64, size: usize) -> Result<u64, String> {
+        let mut b = self.0.lock().unwrap();
+        if b.refuse == Some(addr) {
+            return Err("ncclInvalidArgument".into());
+        }
+        b.next_handle += 1;
+        let h = b.next_handle;
+        b.live.push((h, addr, size));
+        b.log.push(format!("register {addr:#x}"));
+        Ok(h)
+    }
+    fn deregister(&self, handle: u64) -> Result<(), String> {
+        let mut b = self.0.lock().unwrap();
+        let i = b.live.iter().position(|l| l.0 == handle).ok_or("unknown handle")?;
+        let (_, addr, _) = b.live.remove(i);
+        b.log.push(format!("deregister {addr:#x}"));
+        Ok(())
+    }
+}
+
+/// A pool allocator that fails the test if a segment is freed while still registered anywhere.
+struct Checked {
+    next: Mutex<u64>,
+    registrars: Vec<Recording>,
+    frees: Arc<Mutex<Vec<u64>>>,
+}
+
+impl RawAllocator for Checked {
+    fn name(&self) -> &str {
+        "checked"
+    }
+    fn alloc(&self, size: usize, _: usize, _: StreamId) -> Result<u64, BackendError> {
+        let mut n = self.next.lock().unwrap();
+        let a = 0x7000_0000_0000 + *n;
+        *n += (size as u64).next_multiple_of(2 << 20);
+        Ok(a)
+    }
+    fn free(&self, ptr: u64, _: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
+        for r in &self.registrars {
+            assert!(!r.live().iter().any(|l| l.0 == ptr), "segment {ptr:#x} freed while still registered");
+        }
+        self.frees.lock().unwrap().push(ptr);
+        Ok(())
+    }
+    fn granularity(&self) -> usize {
+        2 << 20
+    }
+}
+
+fn setup(registrars: Vec<Recording>) -> (Allocator<Sim>, MemPool<Sim>, Arc<Mutex<Vec<u64>>>) {
+    let a = Allocator::sim(SimDevice::new(1 << 30));
+    let frees = Arc::default();
+    let raw = Checked { next: Mutex::new(0), registrars, frees: Arc::clone(&frees) };
+    let pool = MemPool::on(&a, PoolOptions::new().allocator(raw));
+    (a, pool, frees)
+}
+
+fn attach(a: &Allocator<Sim>, pool: &MemPool<Sim>, r: &Recording) -> Registration {
+    Registration::attach(a, Some(pool.id()), Arc::new(r.clone())).unwrap()
+}
+
+#[test]
+fn existing_segments_then_growth_then_release() {
+    let r = Recording::default();
+    let (a, pool, frees) = setup(vec![r.clone()]);
+    let x = pool.alloc::<u8>(100).unwrap(); // small segment, before the registration
+    let reg = attach(&a, &pool, &r);
+    assert_eq!(r.live(), pool.snapshot().segments.iter().map(|s| (s.address, s.total_size)).collect::<Vec<_>>());
+    let y = pool.alloc::<u8>(30 << 20).unwrap(); // a new segment: registered as it is made
+    let big = pool.snapshot().segments.iter().find(|s| s.total_size >= 30 << 20).unwrap().address;
+    assert!(r.live().iter().any(|l| l.0 == big), "a segment allocated after registration was not registered");
+    assert_eq!(reg.segments(), r.live());
+    // Blocks of the default pools are none of this registration's business.
+    let _d = a.alloc::<u8>(30 << 20).unwrap();
+    assert_eq!(r.live().len(), 2);
+    drop(y);
+    pool.empty_cache().unwrap(); // the big segment goes: deregistered first (checked by the allocator)
+    assert!(!r.live().iter().any(|l| l.0 == big));
+    assert_eq!(*frees.lock().unwrap(), vec![big]);
+    let log = r.log();
+    assert_eq!(log.last().unwrap(), &format!("deregister {big:#x}"));
+    drop(x);
+    drop(reg); // everything left is deregistered
+    assert!(r.live().is_empty());
+    drop(pool);
+    assert_eq!(frees.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn a_segment_on_several_communicators() {
+    let (r1, r2) = (Recording::default(), Recording::default());
+    let (a, pool, _frees) = setup(vec![r1.clone(), r2.clone()]);
+    let reg1 = attach(&a, &pool, &r1);
+    let x = pool.alloc::<u8>(100).unwrap();
+    let reg2 = attach(&a, &pool, &r2);
+    assert_eq!(r1.live(), r2.live());
+    assert_eq!(r1.live().len(), 1);
+    drop(reg1);
+    assert!(r1.live().is_empty());
+    assert_eq!(r2.live().len(), 1);
+    drop(x);
+    drop(pool); // released: the segment goes back, deregistered from r2 first
+    assert!(r2.live().is_empty());
+    drop(reg2);
+}
+
+#[test]
+fn pool_release_deregisters_before_every_free() {
+    let r = Recording::default();
+    let (a, pool, frees) = setup(vec![r.clone()]);
+    let _reg = attach(&a, &pool, &r);
+    let keep = pool.alloc::<u8>(5 << 20).unwrap();
+    drop(pool.alloc::<u8>(100).unwrap());
+    assert_eq!(r.live().len(), 2);
+    drop(pool); // the free small segment goes at once
+    assert_eq!(r.live().len(), 1);
+    assert_eq!(frees.lock().unwrap().len(), 1);
+    drop(keep); // and the other with its last block
+    assert!(r.live().is_empty());
+    assert_eq!(frees.lock().unwrap().len(), 2);
+}
+
+#[test]
+fn a_refused_registration_is_reported_and_the_pool_keeps_working() {
+    let r = Recording::default();
+    let (a, pool, _frees) = setup(vec![r.clone()]);
+    let reg = attach(&a, &pool, &r);
+    r.0.lock().unwrap().refuse = Some(0x7000_0000_0000);
+    let x = pool.alloc::<u8>(100).unwrap();
+    assert_eq!(x.device_ptr_raw(), 0x7000_0000_0000);
+    let errors = reg.take_errors();
+    assert_eq!(errors.len(), 1);
+    let msg = errors[0].to_string();
+    assert!(matches!(errors[0], Error::Registration { segment: 0x7000_0000_0000, .. }));
+    assert!(msg.contains("0x700000000000") && msg.contains("keeps working"), "{msg}");
+    let y = pool.alloc::<u8>(100).unwrap(); // same segment: the pool works on
+    assert!(reg.take_errors().is_empty());
+    drop((x, y));
+}
+
+#[test]
+fn device_wide_registration_covers_every_pool() {
+    let r = Recording::default();
+    let (a, pool, _frees) = setup(vec![r.clone()]);
+    let reg = Registration::attach(&a, None, Arc::new(r.clone())).unwrap();
+    let _x = pool.alloc::<u8>(100).unwrap();
+    let _y = a.alloc::<u8>(100).unwrap();
+    assert_eq!(r.live().len(), 2);
+    drop(reg);
+    assert!(r.live().is_empty());
+}
+
+#[test]
+fn same_allocation_sequence_same_offsets_on_every_rank() {
+    // NVLS wants a buffer at the same offset of its segment on every local rank.
+    // Each rank's allocator hands out other addresses (another device, another process).
+    let offsets = |seed: u64, base: u64| {
+        let a = Allocator::sim(SimDevice::new(1 << 38));
+        let raw = Checked { next: Mutex::new(base), registrars: Vec::new(), frees: Arc::default() };
+        let pool = MemPool::on(&a, PoolOptions::new().allocator(raw));
+        let mut x = seed;
+        let mut live = Vec::new();
+        let mut out = Vec::new();
+        for _ in 0..2000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            if x % 2 == 0 && !live.is_empty() {
+                live.swap_remove((x % live.len() as u64) as usize);
+            } else {
+                let b = pool.alloc::<u8>(1 + (x % (16 << 20)) as usize).unwrap();
+                let seg = pool
+                    .snapshot()
+                    .segments
+                    .iter()
+                    .find(|s| s.address <= b.device_ptr_raw() && b.device_ptr_raw() < s.address + s.total_size as u64)
+                    .map(|s| s.address)
+                    .unwrap();
+                out.push((b.device_ptr_raw() - seg, b.num_bytes()));
+                live.push(b);
+            }
+        }
+        out
+    };
+    let (rank0, rank1) = (offsets(7, 0), offsets(7, 40 << 30));
+    assert!(rank0.len() > 500);
+    assert_eq!(rank0, rank1, "the same allocation sequence gave other offsets on another rank");
+}
+
+fn env(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+    let m: std::collections::HashMap<String, String> =
+        pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    move |k| m.get(k).cloned()
+}
+
+#[test]
+fn launcher_environments() {
+    let torchrun = env(&[
+        ("RANK", "3"),
+        ("WORLD_SIZE", "8"),
+        ("LOCAL_RANK", "1"),
+        ("MASTER_ADDR", "10.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_RUN_ID", "x"),
+    ]);
+    let e = LaunchEnv::read(torchrun).unwrap();
+    assert_eq!((e.rank, e.world_size, e.local_rank), (3, 8, 1));
+    assert_eq!(e.comm_id_to_set.as_deref(), Some("10.0.0.1:29501"), "torchrun's store holds MASTER_PORT");
+    let slurm =
+        env(&[("SLURM_PROCID", "5"), ("SLURM_NTASKS", "16"), ("SLURM_LOCALID", "5"), ("NCCL_COMM_ID", "node0:1234")]);
+    let e = LaunchEnv::read(slurm).unwrap();
+    assert_eq!((e.rank, e.world_size, e.local_rank, e.comm_id_to_set), (5, 16, 5, None));
+    let ompi = env(&[
+        ("OMPI_COMM_WORLD_RANK", "0"),
+        ("OMPI_COMM_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "h"),
+        ("MASTER_PORT", "7000"),
+    ]);
+    let e = LaunchEnv::read(ompi).unwrap();
+    assert_eq!((e.rank, e.local_rank, e.comm_id_to_set.as_deref()), (0, 0, Some("h:7000")));
+}
+
+#[test]
+fn bad_launcher_environments_are_clear_errors() {
+    let e = LaunchEnv::read(env(&[("RANK", "4"), ("WORLD_SIZE", "4"), ("NCCL_COMM_ID", "h:1")])).unwrap_err();
+    assert_eq!(e, Error::InvalidRank { rank: 4, world_size: 4 });
+    let e = LaunchEnv::read(env(&[("RANK", "0"), ("WORLD_SIZE", "4"), ("SLURM_NTASKS", "8"), ("NCCL_COMM_ID", "h:1")]))
+        .unwrap_err();
+    assert!(e.to_string().contains("WORLD_SIZE=4 and SLURM_NTASKS=8 disagree"), "{e}");
+    let e = LaunchEnv::read(env(&[("WORLD_SIZE", "4")])).unwrap_err();
+    assert!(e.to_string().contains("no rank"), "{e}");
+    let e = LaunchEnv::read(env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
+    assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+    let e = LaunchEnv::read(env(&[("RANK", "x"), ("WORLD_SIZE", "2")])).unwrap_err();
+    assert!(e.to_string().contains("RANK=\"x\""), "{e}");
+}
+
+#[test]
+fn without_nccl_the_error_names_the_library() {
+    if mempool_nccl::nccl_version().is_ok() {
+        return; // NCCL is installed here: nothing to check
+    }
+    let e = mempool_nccl::Id::new().unwrap_err();
+    assert_eq!(e, Error::NoNccl);
+    assert!(e.to_string().contains("libnccl.so.2"));
+    assert!(mempool_nccl::nccl_pool(0).is_err());
+}
