@@ -1,0 +1,219 @@
+//! On GPUs with NCCL (the `nvidia-h200-x2` machine, through `shared/tools/gpu-bundle`):
+//! all-reduce correctness on registered pool buffers, registration of segments allocated later,
+//! deregistration before every `ncclMemFree`, communicator destruction, and the launcher
+//! environment with two processes.
+
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaStream;
+use mempool::{with_pool, Allocator, BackendError, Buffer, MemPool, PoolOptions, RawAllocator, StreamId};
+use mempool_nccl::{nccl_pool, Bf16, Communicator, NcclMemAllocator, NcclType, ReduceOp, Registration};
+
+fn gpus() -> usize {
+    mempool::device_count().expect("a CUDA driver")
+}
+
+/// Runs `f(comm)` on one thread per local GPU, communicators from `ncclCommInitAll`.
+fn on_every_gpu<T: Send + 'static>(f: impl Fn(Communicator) -> T + Send + Sync + 'static) -> Vec<T> {
+    let devices: Vec<usize> = (0..gpus()).collect();
+    let comms = Communicator::all_local(&devices).expect("communicators");
+    let f = Arc::new(f);
+    let threads: Vec<_> = comms
+        .into_iter()
+        .map(|c| {
+            let f = f.clone();
+            std::thread::spawn(move || f(c))
+        })
+        .collect();
+    threads.into_iter().map(|t| t.join().expect("rank thread")).collect()
+}
+
+#[with_pool(pool)]
+fn filled<T: NcclType + Copy>(pool: &MemPool, stream: &Arc<CudaStream>, value: T, n: usize) -> Buffer<T> {
+    let mut b = pool.allocator().alloc::<T>(n).expect("alloc");
+    stream.memcpy_htod(&vec![value; n], &mut b).expect("copy");
+    b
+}
+
+fn check_all_reduce<T: NcclType + Copy + PartialEq + std::fmt::Debug>(
+    comm: &Communicator,
+    pool: &MemPool,
+    stream: &Arc<CudaStream>,
+    mine: T,
+    want: T,
+) {
+    let n = 1 << 20;
+    let send = filled(pool, stream, mine, n);
+    let mut recv = filled(pool, stream, mine, n);
+    comm.all_reduce(&send, &mut recv, ReduceOp::Sum, stream).expect("all_reduce");
+    let got = stream.clone_dtoh(&recv).expect("copy back");
+    assert!(got.iter().all(|x| *x == want), "out of place: {:?} != {want:?}", got[0]);
+    let mut inplace = filled(pool, stream, mine, n);
+    comm.all_reduce_in_place(&mut inplace, ReduceOp::Sum, stream).expect("all_reduce in place");
+    let got = stream.clone_dtoh(&inplace).expect("copy back");
+    assert!(got.iter().all(|x| *x == want), "in place: {:?} != {want:?}", got[0]);
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn all_reduce_on_registered_pool_buffers_threads() {
+    let world = gpus();
+    let results = on_every_gpu(move |comm| {
+        let rank = comm.rank();
+        let alloc = Allocator::cuda(comm.device()).unwrap();
+        let stream = alloc.current_stream();
+        let pool = nccl_pool(comm.device()).unwrap();
+        let reg = comm.register_pool(&pool).unwrap();
+        let sum_ranks: i32 = (0..world as i32).map(|r| r + 1).sum();
+        check_all_reduce(&comm, &pool, &stream, 1.5f32 * (rank + 1) as f32, 1.5 * sum_ranks as f32);
+        check_all_reduce(&comm, &pool, &stream, (rank as i32 + 1) * 7, sum_ranks * 7);
+        check_all_reduce(&comm, &pool, &stream, Bf16::from_f32((rank + 1) as f32), Bf16::from_f32(sum_ranks as f32));
+        // A segment allocated after the registration is registered before its first collective.
+        let big = filled(&pool, &stream, 1.0f32, 48 << 20);
+        let seg = pool
+            .snapshot()
+            .segments
+            .iter()
+            .find(|s| s.address <= big.device_ptr_raw() && big.device_ptr_raw() < s.address + s.total_size as u64)
+            .map(|s| s.address)
+            .unwrap();
+        assert!(reg.segments().iter().any(|s| s.0 == seg), "a new segment was not registered before use");
+        let mut big = big;
+        comm.all_reduce_in_place(&mut big, ReduceOp::Sum, &stream).unwrap();
+        let got = stream.clone_dtoh(&big).unwrap();
+        assert!(got.iter().all(|x| *x == world as f32));
+        // A buffer of another device, or too short, is refused before NCCL is called.
+        let short = filled(&pool, &stream, 0f32, 10);
+        let mut out = filled(&pool, &stream, 0f32, 5);
+        let e = comm.all_reduce(&short, &mut out, ReduceOp::Sum, &stream).unwrap_err();
+        assert!(e.to_string().contains("needs 10 elements, but the buffer holds 5"), "{e}");
+        assert!(reg.take_errors().is_empty(), "{:?}", reg.take_errors());
+        stream.synchronize().unwrap();
+        rank
+    });
+    assert_eq!(results, (0..world).collect::<Vec<_>>());
+}
+
+/// `ncclMemAlloc`, checking at every free that no registration still holds the segment.
+struct CheckedNccl {
+    inner: NcclMemAllocator,
+    registration: Arc<OnceLock<Registration>>,
+    frees: Arc<Mutex<usize>>,
+}
+
+impl RawAllocator for CheckedNccl {
+    fn name(&self) -> &str {
+        "checked-ncclMemAlloc"
+    }
+    fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError> {
+        self.inner.alloc(size, device, stream)
+    }
+    fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError> {
+        if let Some(r) = self.registration.get() {
+            assert!(!r.segments().iter().any(|s| s.0 == ptr), "segment {ptr:#x} still registered at ncclMemFree");
+        }
+        *self.frees.lock().unwrap() += 1;
+        self.inner.free(ptr, size, device, stream)
+    }
+    fn granularity(&self) -> usize {
+        self.inner.granularity()
+    }
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn every_segment_is_deregistered_before_ncclmemfree_and_destroy_cleans_up() {
+    on_every_gpu(|comm| {
+        let dev = comm.device();
+        let alloc = Allocator::cuda(dev).unwrap();
+        let stream = alloc.current_stream();
+        let registration = Arc::new(OnceLock::new());
+        let frees = Arc::new(Mutex::new(0));
+        let raw = CheckedNccl {
+            inner: NcclMemAllocator::new(dev).unwrap(),
+            registration: registration.clone(),
+            frees: frees.clone(),
+        };
+        let pool = MemPool::on(&alloc, PoolOptions::new().allocator(raw));
+        let a = filled(&pool, &stream, 1f32, 1 << 20);
+        registration.set(comm.register_pool(&pool).unwrap()).ok();
+        let b = filled(&pool, &stream, 1f32, 40 << 20);
+        let reg = registration.get().unwrap();
+        assert_eq!(reg.segments().len(), 2);
+        drop(b);
+        pool.empty_cache().unwrap(); // the 40 MiB segment: deregistered, then freed (checked)
+        assert_eq!(*frees.lock().unwrap(), 1);
+        assert_eq!(reg.segments().len(), 1);
+        let mut c = filled(&pool, &stream, 2f32, 1 << 10);
+        comm.all_reduce_in_place(&mut c, ReduceOp::Max, &stream).unwrap();
+        stream.synchronize().unwrap();
+        // Destroying the communicator deregisters what is left, without error.
+        comm.destroy().unwrap();
+        assert!(reg.segments().is_empty());
+        assert!(reg.take_errors().is_empty());
+        drop((a, c));
+        drop(pool); // the remaining segment goes back: no registration holds it
+        assert_eq!(*frees.lock().unwrap(), 2);
+    });
+}
+
+const CHILD: &str = "MEMPOOL_NCCL_TEST_CHILD";
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn environment_bootstrap_with_two_processes() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: two processes need two");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(["child_rank_from_environment", "--exact", "--include-ignored", "--nocapture"])
+                .env(CHILD, "1")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    for mut c in children {
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                assert!(status.success(), "a rank process failed: {status}");
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("a rank process did not finish in time");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// One rank of `environment_bootstrap_with_two_processes` (does nothing unless launched by it).
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn child_rank_from_environment() {
+    if std::env::var(CHILD).is_err() {
+        return;
+    }
+    let comm = Communicator::from_env().expect("communicator from the environment");
+    assert_eq!(comm.world_size(), 2);
+    let pool = nccl_pool(comm.device()).unwrap();
+    let _reg = comm.register_pool(&pool).unwrap();
+    let stream = pool.allocator().current_stream();
+    let mut b = filled(&pool, &stream, (comm.rank() + 1) as f32, 1 << 20);
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap();
+    let got = stream.clone_dtoh(&b).unwrap();
+    assert!(got.iter().all(|x| *x == 3.0), "rank {} got {}", comm.rank(), got[0]);
+    comm.destroy().unwrap();
+}
