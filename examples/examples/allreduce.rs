@@ -1,13 +1,14 @@
 //! All-reduce across every GPU of the machine on `ncclMemAlloc` pool buffers registered with the
-//! communicator, verified, with a bus-bandwidth table like nccl-tests' next to unregistered
-//! default-pool buffers.
+//! communicator (and as symmetric windows), verified, with a bus-bandwidth table like nccl-tests'
+//! next to unregistered default-pool buffers.
 //!
 //! ```sh
 //! cargo run --release --example allreduce                 # one thread per GPU
 //! cargo run --release --example allreduce -- --procs      # one process per GPU (launches itself)
 //! torchrun --nproc-per-node 8 target/release/examples/allreduce   # or srun / mpirun: one rank each
 //! ```
-//! Options: `--min-mb N` (1), `--max-mb N` (1024), `--iters N` (20).
+//! Options: `--min-mb N` (1), `--max-mb N` (1024), `--iters N` (20), `--no-window` (skip the
+//! symmetric-window column, which needs NCCL 2.27+).
 //!
 //! NVLink multicast (NVLS) is never forced on: the example says whether this machine could use
 //! it, and NCCL decides (`NCCL_NVLS_ENABLE` is left as the environment has it).
@@ -17,19 +18,20 @@ use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaStream};
-use mempool::{with_pool, Allocator, Buffer, MemPool};
-use mempool_nccl::{nccl_pool, nccl_version, Communicator, ReduceOp};
+use mempool::{with_pool, Allocator, Buffer, MemPool, PoolOptions};
+use mempool_nccl::{nccl_pool, nccl_pool_with, nccl_version, Communicator, ReduceOp};
 
 #[derive(Clone, Copy, Debug)]
 struct Opts {
     procs: bool,
+    window: bool,
     min_mb: usize,
     max_mb: usize,
     iters: usize,
 }
 
 fn opts() -> Result<Opts, String> {
-    let mut o = Opts { procs: false, min_mb: 1, max_mb: 1024, iters: 20 };
+    let mut o = Opts { procs: false, window: true, min_mb: 1, max_mb: 1024, iters: 20 };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut num = |name: &str| -> Result<usize, String> {
@@ -37,10 +39,15 @@ fn opts() -> Result<Opts, String> {
         };
         match a.as_str() {
             "--procs" => o.procs = true,
+            "--no-window" => o.window = false,
             "--min-mb" => o.min_mb = num("--min-mb")?,
             "--max-mb" => o.max_mb = num("--max-mb")?,
             "--iters" => o.iters = num("--iters")?,
-            other => return Err(format!("unknown option {other}; valid: --procs, --min-mb N, --max-mb N, --iters N")),
+            other => {
+                return Err(format!(
+                    "unknown option {other}; valid: --procs, --no-window, --min-mb N, --max-mb N, --iters N"
+                ))
+            }
         }
     }
     Ok(o)
@@ -69,59 +76,48 @@ impl Sync {
 }
 
 #[with_pool(nccl_pool)]
-fn pool_buffers(
-    nccl_pool: &MemPool,
-    stream: &Arc<CudaStream>,
-    n: usize,
-    value: f32,
-) -> mempool::Result<(Buffer<f32>, Buffer<f32>)> {
-    let alloc = nccl_pool.allocator();
-    let mut send = alloc.alloc::<f32>(n)?;
-    let recv = alloc.alloc::<f32>(n)?;
+fn pool_buffer(nccl_pool: &MemPool, stream: &Arc<CudaStream>, n: usize, value: f32) -> mempool::Result<Buffer<f32>> {
+    let mut b = nccl_pool.allocator().alloc::<f32>(n)?;
     stream
-        .memcpy_htod(&vec![value; n], &mut send)
+        .memcpy_htod(&vec![value; n], &mut b)
         .map_err(|e| mempool::Error::Backend { op: "fill", message: e.to_string() })?;
-    Ok((send, recv))
+    Ok(b)
 }
 
-fn default_buffers(
-    alloc: &Allocator,
-    stream: &Arc<CudaStream>,
-    n: usize,
-    value: f32,
-) -> mempool::Result<(Buffer<f32>, Buffer<f32>)> {
-    let mut send = alloc.alloc::<f32>(n)?;
-    let recv = alloc.alloc::<f32>(n)?;
+fn default_buffer(alloc: &Allocator, stream: &Arc<CudaStream>, n: usize, value: f32) -> mempool::Result<Buffer<f32>> {
+    let mut b = alloc.alloc::<f32>(n)?;
     stream
-        .memcpy_htod(&vec![value; n], &mut send)
+        .memcpy_htod(&vec![value; n], &mut b)
         .map_err(|e| mempool::Error::Backend { op: "fill", message: e.to_string() })?;
-    Ok((send, recv))
+    Ok(b)
 }
 
-/// Time per all-reduce (seconds), after checking the first result.
+/// Time per in-place all-reduce (seconds, as PyTorch's `dist.all_reduce`), after checking the
+/// first result.
 fn measure(
     comm: &Communicator,
     stream: &Arc<CudaStream>,
     sync: &Sync,
     alloc: &Allocator,
-    (send, mut recv): (Buffer<f32>, Buffer<f32>),
-    want: f32,
+    buf: &mut Buffer<f32>,
     iters: usize,
 ) -> Result<f64, String> {
     let e = |e: &dyn std::fmt::Display| e.to_string();
-    comm.all_reduce(&send, &mut recv, ReduceOp::Sum, stream).map_err(|x| e(&x))?;
-    let got = stream.clone_dtoh(&recv).map_err(|x| e(&x))?;
+    let world = comm.world_size();
+    let want = (world * (world + 1) / 2) as f32;
+    comm.all_reduce_in_place(buf, ReduceOp::Sum, stream).map_err(|x| e(&x))?;
+    let got = stream.clone_dtoh(&*buf).map_err(|x| e(&x))?;
     if let Some(bad) = got.iter().position(|x| *x != want) {
         return Err(format!("rank {}: element {bad} is {} instead of {want}", comm.rank(), got[bad]));
     }
     for _ in 0..4 {
-        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, stream).map_err(|x| e(&x))?;
+        comm.all_reduce_in_place(buf, ReduceOp::Sum, stream).map_err(|x| e(&x))?;
     }
     stream.synchronize().map_err(|x| e(&x))?;
     sync.wait(comm, stream, alloc).map_err(|x| e(&x))?;
     let t = Instant::now();
     for _ in 0..iters {
-        comm.all_reduce(&send, &mut recv, ReduceOp::Sum, stream).map_err(|x| e(&x))?;
+        comm.all_reduce_in_place(buf, ReduceOp::Sum, stream).map_err(|x| e(&x))?;
     }
     stream.synchronize().map_err(|x| e(&x))?;
     Ok(t.elapsed().as_secs_f64() / iters as f64)
@@ -155,40 +151,50 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
     let stream = alloc.current_stream();
     let pool = nccl_pool(dev).map_err(|x| e(&x))?;
     let registration = comm.register_pool(&pool).map_err(|x| e(&x))?;
+    // Whole-segment buffers for windows: a window covers exactly one buffer's segment.
+    let win_pool = nccl_pool_with(dev, PoolOptions::new().no_split(true)).map_err(|x| e(&x))?;
     if rank == 0 {
         let (a, b, c) = nccl_version().map_err(|x| e(&x))?;
-        println!(
-            "# allreduce: {world} rank(s), NCCL {a}.{b}.{c}, {}",
-            if matches!(sync, Sync::Threads(_)) { "one thread per GPU" } else { "one process per GPU" }
-        );
+        let how = if matches!(sync, Sync::Threads(_)) { "one thread per GPU" } else { "one process per GPU" };
+        println!("# allreduce: {world} rank(s), NCCL {a}.{b}.{c}, {how}");
         println!("# {}", nvls_line(dev));
+        println!("# float32 sum, in place; time per call over {} calls after 5 checked/warm-up calls; busbw = algbw * 2(n-1)/n", o.iters);
+        println!("# reg: ncclMemAlloc pool buffer registered (ncclCommRegister); win: symmetric window (ncclCommWindowRegister); def: default pool, unregistered");
         println!(
-            "# float32 sum, out of place; time per call over {} calls after 5 warm-up calls; busbw = algbw * 2(n-1)/n",
-            o.iters
-        );
-        println!(
-            "{:>10} {:>10} {:>11} {:>11} {:>10} {:>11} {:>11}",
-            "size", "reg_us", "reg_algbw", "reg_busbw", "def_us", "def_algbw", "def_busbw"
-        );
-        println!(
-            "{:>10} {:>10} {:>11} {:>11} {:>10} {:>11} {:>11}",
-            "(MiB)", "", "(GB/s)", "(GB/s)", "", "(GB/s)", "(GB/s)"
+            "{:>6} | {:>9} {:>9} {:>9} | {:>9} {:>9} | {:>9} {:>9} {:>9}",
+            "MiB", "reg_us", "reg_algbw", "reg_busbw", "win_us", "win_busbw", "def_us", "def_algbw", "def_busbw"
         );
     }
-    let want = (world * (world + 1) / 2) as f32;
+    let factor = 2.0 * (world as f64 - 1.0) / world as f64;
     let mut mb = o.min_mb.max(1);
     while mb <= o.max_mb {
         let n = mb << 18; // MiB of f32
         let bytes = (n * 4) as f64;
-        let reg_buffers = pool_buffers(&pool, &stream, n, (rank + 1) as f32).map_err(|x| e(&x))?;
-        let reg = measure(&comm, &stream, &sync, &alloc, reg_buffers, want, o.iters)?;
-        let def_buffers = default_buffers(&alloc, &stream, n, (rank + 1) as f32).map_err(|x| e(&x))?;
-        let def = measure(&comm, &stream, &sync, &alloc, def_buffers, want, o.iters)?;
-        let factor = 2.0 * (world as f64 - 1.0) / world as f64;
+        let value = (rank + 1) as f32;
+        let mut reg_buf = pool_buffer(&pool, &stream, n, value).map_err(|x| e(&x))?;
+        let reg = measure(&comm, &stream, &sync, &alloc, &mut reg_buf, o.iters)?;
+        drop(reg_buf);
+        let win = if o.window {
+            let mut buf = pool_buffer(&win_pool, &stream, n, value).map_err(|x| e(&x))?;
+            let seg = win_pool.snapshot().segments.into_iter().find(|s| s.address == buf.device_ptr_raw());
+            let seg = seg.ok_or("a no_split buffer did not start its segment")?;
+            let window = comm.register_window(seg.address, seg.total_size, &stream).map_err(|x| e(&x))?;
+            let t = measure(&comm, &stream, &sync, &alloc, &mut buf, o.iters)?;
+            window.deregister().map_err(|x| e(&x))?;
+            Some(t)
+        } else {
+            None
+        };
+        let mut def_buf = default_buffer(&alloc, &stream, n, value).map_err(|x| e(&x))?;
+        let def = measure(&comm, &stream, &sync, &alloc, &mut def_buf, o.iters)?;
         if rank == 0 {
             let (ra, da) = (bytes / reg / 1e9, bytes / def / 1e9);
+            let (wu, wb) = match win {
+                Some(w) => (format!("{:.1}", w * 1e6), format!("{:.1}", bytes / w / 1e9 * factor)),
+                None => ("-".into(), "-".into()),
+            };
             println!(
-                "{mb:>10} {:>10.1} {ra:>11.1} {:>11.1} {:>10.1} {da:>11.1} {:>11.1}",
+                "{mb:>6} | {:>9.1} {ra:>9.1} {:>9.1} | {wu:>9} {wb:>9} | {:>9.1} {da:>9.1} {:>9.1}",
                 reg * 1e6,
                 ra * factor,
                 def * 1e6,

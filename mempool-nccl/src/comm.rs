@@ -167,6 +167,12 @@ pub struct Communicator {
     pub(crate) inner: Arc<CommInner>,
 }
 
+impl std::fmt::Debug for CommInner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CommInner").field("rank", &self.rank).field("world_size", &self.world).finish()
+    }
+}
+
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Communicator")
@@ -459,6 +465,52 @@ impl Communicator {
         Ok(r)
     }
 
+    /// Registers `size` bytes at `addr` as an NCCL window for symmetric collectives
+    /// (`ncclCommWindowRegister` with `NCCL_WIN_COLL_SYMMETRIC`, NCCL 2.27 or newer). Collective:
+    /// every rank calls it with the same size. The rules are checked first, the same way on every
+    /// rank so that none is left waiting: NCCL's version, `addr` and `size` multiples of the
+    /// device's allocation granularity (memory from an `ncclMemAlloc` pool with `no_split`, say),
+    /// and equal sizes on every rank (gathered through the communicator on `stream`).
+    pub fn register_window(&self, addr: u64, size: usize, stream: &Arc<CudaStream>) -> Result<Window> {
+        let (major, minor, patch) = crate::alloc::nccl_version()?;
+        if (major, minor) < (2, 27) {
+            return Err(Error::Window(format!("needs NCCL 2.27 or newer; this is {major}.{minor}.{patch}")));
+        }
+        let gran = crate::alloc::recommended_granularity(&self.inner.ctx)?;
+        let local_ok = size > 0 && addr % gran as u64 == 0 && size % gran == 0;
+        // Every rank learns every rank's size and verdict before anyone calls NCCL's collective.
+        let alloc = Allocator::cuda(self.device())?;
+        let mine = [size as u64, u64::from(local_ok)];
+        let mut send = alloc.alloc::<u64>(2)?;
+        stream.memcpy_htod(&mine, &mut send).map_err(|e| Error::Cuda(e.to_string()))?;
+        let mut all = alloc.alloc::<u64>(2 * self.world_size())?;
+        self.all_gather(&send, &mut all, stream)?;
+        let all = stream.clone_dtoh(&all).map_err(|e| Error::Cuda(e.to_string()))?;
+        if !local_ok {
+            return Err(Error::Window(format!(
+                "address {addr:#x} and size {size} must be non-zero multiples of the allocation granularity ({gran} bytes)"
+            )));
+        }
+        if let Some(r) = (0..self.world_size()).find(|&r| all[2 * r + 1] == 0) {
+            return Err(Error::Window(format!("rank {r}'s range is not aligned to the allocation granularity")));
+        }
+        let sizes: Vec<u64> = (0..self.world_size()).map(|r| all[2 * r]).collect();
+        if sizes.iter().any(|s| *s != size as u64) {
+            return Err(Error::Window(format!("every rank must register the same size; the sizes are {sizes:?}")));
+        }
+        let guard = self.inner.lock();
+        let raw = guard.as_ref().ok_or(Error::Closed)?;
+        self.inner.ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
+        let mut win: sys::ncclWindow_t = std::ptr::null_mut();
+        const NCCL_WIN_COLL_SYMMETRIC: i32 = 1;
+        // SAFETY: `raw` is a live communicator; `addr..addr+size` is device memory of this device
+        // (checked aligned, same size on every rank); `win` is a valid out pointer.
+        unsafe { sys::ncclCommWindowRegister(raw.0, addr as *mut c_void, size, &mut win, NCCL_WIN_COLL_SYMMETRIC) }
+            .result()
+            .map_err(|e| nccl("ncclCommWindowRegister", e))?;
+        Ok(Window { comm: self.inner.clone(), win: win as usize, addr, size, open: true })
+    }
+
     /// Deregisters everything and destroys the communicator (every rank must call it).
     pub fn destroy(self) -> Result<()> {
         self.inner.close(false)
@@ -541,5 +593,49 @@ impl LaunchEnv {
             }
         };
         Ok(LaunchEnv { rank, world_size, local_rank, comm_id_to_set })
+    }
+}
+
+/// A window registered with [`Communicator::register_window`]. Deregistering is collective too:
+/// call [`deregister`](Window::deregister) on every rank (dropping it does the same).
+#[derive(Debug)]
+pub struct Window {
+    comm: Arc<CommInner>,
+    win: usize,
+    addr: u64,
+    size: usize,
+    open: bool,
+}
+
+impl Window {
+    /// The registered range.
+    pub fn range(&self) -> (u64, usize) {
+        (self.addr, self.size)
+    }
+
+    /// Deregisters the window (collective).
+    pub fn deregister(mut self) -> Result<()> {
+        self.close()
+    }
+
+    fn close(&mut self) -> Result<()> {
+        if !std::mem::replace(&mut self.open, false) {
+            return Ok(());
+        }
+        let guard = self.comm.lock();
+        let Some(raw) = guard.as_ref() else { return Ok(()) };
+        self.comm.ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
+        // SAFETY: `win` came from `ncclCommWindowRegister` on this live communicator and is
+        // deregistered once.
+        unsafe { sys::ncclCommWindowDeregister(raw.0, self.win as sys::ncclWindow_t) }
+            .result()
+            .map(drop)
+            .map_err(|e| nccl("ncclCommWindowDeregister", e))
+    }
+}
+
+impl Drop for Window {
+    fn drop(&mut self) {
+        let _ = self.close();
     }
 }

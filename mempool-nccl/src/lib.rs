@@ -33,6 +33,6 @@ pub mod error;
 pub mod register;
 
 pub use alloc::{nccl_pool, nccl_pool_with, nccl_version, NcclMemAllocator};
-pub use comm::{Bf16, Communicator, Id, LaunchEnv, NcclType, ReduceOp};
+pub use comm::{Bf16, Communicator, Id, LaunchEnv, NcclType, ReduceOp, Window};
 pub use error::{Error, Result};
 pub use register::{Registrar, Registration};

@@ -153,8 +153,8 @@ fn every_segment_is_deregistered_before_ncclmemfree_and_destroy_cleans_up() {
         assert!(reg.segments().is_empty());
         assert!(reg.take_errors().is_empty());
         drop((a, c));
-        drop(pool); // the remaining segment goes back: no registration holds it
-        assert_eq!(*frees.lock().unwrap(), 2);
+        drop(pool); // the remaining segments (a's, and c's small one) go back: no registration holds them
+        assert_eq!(*frees.lock().unwrap(), 3);
     });
 }
 
@@ -216,4 +216,34 @@ fn child_rank_from_environment() {
     let got = stream.clone_dtoh(&b).unwrap();
     assert!(got.iter().all(|x| *x == 3.0), "rank {} got {}", comm.rank(), got[0]);
     comm.destroy().unwrap();
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn window_registration_checks_its_rules_on_every_rank() {
+    on_every_gpu(|comm| {
+        let dev = comm.device();
+        let stream = Allocator::cuda(dev).unwrap().current_stream();
+        let pool = mempool_nccl::nccl_pool_with(dev, PoolOptions::new().no_split(true)).unwrap();
+        let mut buf = filled(&pool, &stream, (comm.rank() + 1) as f32, 1 << 20);
+        let seg = pool.snapshot().segments.into_iter().find(|s| s.address == buf.device_ptr_raw()).unwrap();
+        // Misaligned on every rank: refused everywhere, before NCCL.
+        let e = comm.register_window(seg.address + 512, seg.total_size - 512, &stream).unwrap_err();
+        assert!(e.to_string().contains("granularity"), "{e}");
+        // Sizes that differ between ranks: every rank learns it and refuses.
+        let half = seg.total_size / 2;
+        let size = if comm.rank() == 0 { seg.total_size } else { half };
+        if half % (2 << 20) == 0 && comm.world_size() > 1 {
+            let e = comm.register_window(seg.address, size, &stream).unwrap_err();
+            assert!(e.to_string().contains("the same size"), "{e}");
+        }
+        // By the rules: registered, used, deregistered.
+        let w = comm.register_window(seg.address, seg.total_size, &stream).unwrap();
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream).unwrap();
+        let world = comm.world_size();
+        let want = (world * (world + 1) / 2) as f32;
+        assert!(stream.clone_dtoh(&buf).unwrap().iter().all(|x| *x == want));
+        w.deregister().unwrap();
+        comm.destroy().unwrap();
+    });
 }
