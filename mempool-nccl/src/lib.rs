@@ -36,3 +36,8 @@ pub use alloc::{nccl_pool, nccl_pool_with, nccl_version, NcclMemAllocator};
 pub use comm::{Bf16, Communicator, Id, LaunchEnv, NcclType, ReduceOp, Window};
 pub use error::{Error, Result};
 pub use register::{Registrar, Registration};
+
+/// The workspace README's examples, compiled as doctests here, where both crates are in reach.
+#[doc = include_str!("../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -123,8 +123,3 @@ pub fn reset_peak_stats(device: usize) -> Result<()> {
     Allocator::cuda(device)?.reset_peak_stats();
     Ok(())
 }
-
-/// The README's examples, compiled as doctests.
-#[doc = include_str!("../../README.md")]
-#[cfg(doctest)]
-pub struct ReadmeDoctests;
