@@ -11,7 +11,8 @@
 //! `mempool <trace> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`.
 //! `scope` prints `scope enter_exit <ns>`, then `scope pair_default <bytes> <ns>` and
 //! `scope pair_in_scope <bytes> <ns>` measured one after the other in the same run, then a scope
-//! around every pair by hand (`pair_with_guard`), through `pool_scope!` and through `#[with_pool]`.
+//! around every pair: by hand in a block and through `pool_scope!`, by hand in a function and
+//! through a `#[with_pool]` function.
 //! The backend is CUDA device 0 when a GPU is present, else host memory (said on stderr).
 
 use std::process::ExitCode;
@@ -149,17 +150,27 @@ fn scope<K: Kind>(a: &Allocator<K>) {
         }
         t.elapsed().as_nanos() as f64 / timed() as f64
     };
+    // Each form against its hand-written twin: a block with a guard, a function with a guard.
     let guard = per_pair(&|| {
         let _scope = pool.scope();
         drop(a.alloc::<u8>(512).expect("alloc"));
     });
     let with_macro = per_pair(&|| pool_scope!(pool => { drop(a.alloc::<u8>(512).expect("alloc")) }));
+    let guard_fn = per_pair(&|| guarded_pair(a, &pool));
     let attr = per_pair(&|| scoped_pair(a, &pool));
     println!("scope pair_with_guard 512 {guard:.1}");
     println!("scope pair_with_pool_scope_macro 512 {with_macro:.1} ({:+.1}%)", (with_macro / guard - 1.0) * 100.0);
-    println!("scope pair_with_pool_attribute 512 {attr:.1} ({:+.1}%)", (attr / guard - 1.0) * 100.0);
+    println!("scope pair_in_fn_with_guard 512 {guard_fn:.1}");
+    println!("scope pair_in_fn_with_pool_attribute 512 {attr:.1} ({:+.1}%)", (attr / guard_fn - 1.0) * 100.0);
 }
 
+#[inline(never)]
+fn guarded_pair<K: Kind>(a: &Allocator<K>, pool: &MemPool<K>) {
+    let _scope = pool.scope();
+    drop(a.alloc::<u8>(512).expect("alloc"));
+}
+
+#[inline(never)]
 #[with_pool(pool)]
 fn scoped_pair<K: Kind>(a: &Allocator<K>, pool: &MemPool<K>) {
     drop(a.alloc::<u8>(512).expect("alloc"));
