@@ -123,6 +123,14 @@ fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode
     let worker_ok = worker.join().expect("thread").is_ok();
     c.check(worker_ok && pool.memory_stats().allocation.allocated == 2, "the worker's allocation went to the pool");
 
+    println!("   (timeline of what happened so far: pools-timeline.svg)");
+    let snap = alloc.snapshot();
+    if let Ok(view) = mempool_viz::SnapshotView::from_pickle(&snap.to_pickle()) {
+        if let Err(e) = mempool_viz::render_timeline(&view, "pools-timeline.svg") {
+            eprintln!("pools: {e}");
+        }
+    }
+
     println!("5. the pool is dropped while one of its buffers lives on");
     let routed = (pool.memory_stats().allocation.allocated + device_pool.memory_stats().allocation.allocated) as usize;
     drop(b);
@@ -154,6 +162,7 @@ fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode
 }
 
 fn main() -> mempool::Result<ExitCode> {
+    mempool::record_history(100_000);
     match mempool::device_count() {
         Ok(n) if n > 0 => {
             println!("pools on CUDA device 0");

@@ -1,6 +1,8 @@
 //! A tour of mempool: allocation, reuse, statistics and the summary table.
 //!
-//! Runs on CUDA device 0 when there is one, else on host memory (and says so).
+//! Runs on CUDA device 0 when there is one, else on host memory (and says so). Writes
+//! `tour-snapshot.pickle` (PyTorch's snapshot layout) and `tour-timeline.svg` in the current
+//! directory.
 //!
 //! ```sh
 //! cargo run --release --example tour
@@ -46,10 +48,28 @@ fn tour<K: Kind>(alloc: &Allocator<K>) -> mempool::Result<()> {
     );
     println!("{}", alloc.memory_summary());
 
+    println!("5. a snapshot PyTorch's memory viewer reads, and our own timeline picture");
+    let snapshot = alloc.snapshot();
+    snapshot.write_pickle("tour-snapshot.pickle")?;
+    let view = mempool_viz::SnapshotView::from_pickle(&snapshot.to_pickle())
+        .map_err(|e| mempool::Error::Backend { op: "reading the snapshot", message: e.to_string() })?;
+    print!("{}", mempool_viz::format_summary(&view.summary()));
+    mempool_viz::render_timeline(&view, "tour-timeline.svg")
+        .map_err(|e| mempool::Error::Backend { op: "drawing the timeline", message: e.to_string() })?;
+    let here = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default();
+    println!(
+        "   wrote {here}/tour-snapshot.pickle ({} segments, {} events)",
+        snapshot.segments.len(),
+        snapshot.trace.len()
+    );
+    println!("   wrote {here}/tour-timeline.svg");
+    println!("   view them: python3 -m torch.cuda._memory_viz trace_plot tour-snapshot.pickle -o trace.html,");
+    println!("   or drop the pickle on https://pytorch.org/memory_viz; the SVG opens in any browser");
+
     drop((a2, b2));
     alloc.empty_cache()?;
     println!(
-        "5. after empty_cache: reserved {}",
+        "6. after empty_cache: reserved {}",
         mempool::format::bytes(alloc.memory_stats().reserved_bytes.all.current as u64)
     );
     if !reused {
@@ -60,6 +80,7 @@ fn tour<K: Kind>(alloc: &Allocator<K>) -> mempool::Result<()> {
 }
 
 fn main() -> mempool::Result<()> {
+    mempool::record_history(100_000);
     match mempool::device_count() {
         Ok(n) if n > 0 => {
             println!("mempool tour on CUDA device 0 ({n} device(s) here)");

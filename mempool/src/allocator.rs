@@ -191,7 +191,23 @@ fn shared<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Sh
     Shared { core: DeviceAllocator::new(backend, config), key: NEXT_KEY.fetch_add(1, Ordering::Relaxed), device, ext }
 }
 
+/// `MEMPOOL_RECORD_HISTORY` and `MEMPOOL_SNAPSHOT_ON_OOM`, read when the first allocator is made.
+struct EnvSettings {
+    snapshot_on_oom: Option<std::path::PathBuf>,
+}
+
+fn env_settings() -> &'static EnvSettings {
+    static SETTINGS: OnceLock<EnvSettings> = OnceLock::new();
+    SETTINGS.get_or_init(|| {
+        if let Some(n) = std::env::var("MEMPOOL_RECORD_HISTORY").ok().and_then(|v| v.trim().parse::<usize>().ok()) {
+            crate::trace::record_history(n);
+        }
+        EnvSettings { snapshot_on_oom: std::env::var_os("MEMPOOL_SNAPSHOT_ON_OOM").map(Into::into) }
+    })
+}
+
 fn make<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Allocator<K> {
+    env_settings();
     Allocator { shared: Handle::Owned(Arc::new(shared(backend, config, ext))) }
 }
 
@@ -224,6 +240,7 @@ impl Allocator<Cuda> {
         let backend = Arc::new(CudaBackend::new(ordinal)?);
         let ext = CudaExt { backend: backend.clone(), streams: Mutex::new(HashMap::new()) };
         // Lives for the rest of the process, like the device itself.
+        env_settings();
         let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
         *slot = Some(a.clone());
         Ok(a)
@@ -296,6 +313,18 @@ impl<K: Kind> Allocator<K> {
         Ok(StreamGuard::new(self.shared.key, K::stream_id(stream)))
     }
 
+    /// With `MEMPOOL_SNAPSHOT_ON_OOM=<path>`: writes a snapshot there before an out-of-memory
+    /// error returns (a failure to write it is reported on stderr; the error stays the OOM).
+    #[cold]
+    fn on_error(&self, e: Error) -> Error {
+        if let (Error::OutOfMemory(_), Some(path)) = (&e, &env_settings().snapshot_on_oom) {
+            if let Err(w) = self.snapshot().write_pickle(path) {
+                eprintln!("mempool: MEMPOOL_SNAPSHOT_ON_OOM: {w}");
+            }
+        }
+        e
+    }
+
     pub(crate) fn check_device(&self, stream: &K::Stream, what: &'static str) -> Result<()> {
         let found = K::stream_device(stream, self.shared.device);
         if found != self.shared.device {
@@ -341,8 +370,10 @@ impl<K: Kind> Allocator<K> {
         if bytes == 0 {
             return Ok(Buffer::empty(self.shared.clone(), len, stream));
         }
-        let a = self.shared.core.malloc(bytes, stream, pool)?;
-        Ok(Buffer::new(self.shared.clone(), a, len, stream))
+        match self.shared.core.malloc(bytes, stream, pool) {
+            Ok(a) => Ok(Buffer::new(self.shared.clone(), a, len, stream)),
+            Err(e) => Err(self.on_error(e)),
+        }
     }
 
     /// `size` bytes on the current stream (from the pool of the innermost scope, if any), as a raw
@@ -350,7 +381,7 @@ impl<K: Kind> Allocator<K> {
     /// [`free_bytes`](Self::free_bytes). `size == 0` returns 0.
     pub fn alloc_bytes(&self, size: usize) -> Result<u64> {
         let (stream, pool) = stream::current_with_pool(self.shared.key);
-        self.shared.core.malloc_raw(size, stream, pool)
+        self.shared.core.malloc_raw(size, stream, pool).map_err(|e| self.on_error(e))
     }
 
     /// Gives back an address from [`alloc_bytes`](Self::alloc_bytes). A foreign or already freed

@@ -67,6 +67,13 @@ thread_local! {
     static DEVICE: Cell<usize> = const { Cell::new(0) };
 }
 
+/// Keeps the last `max_entries` allocator events of every device for snapshots (0 stops);
+/// PyTorch's `torch.cuda.memory._record_memory_history(max_entries=...)`. The variable
+/// `MEMPOOL_RECORD_HISTORY=<max_entries>` does the same when the first allocator is made.
+pub fn record_history(max_entries: usize) {
+    trace::record_history(max_entries)
+}
+
 /// This thread's current CUDA device (0 unless [`set_device`] said otherwise).
 pub fn current_device() -> usize {
     DEVICE.with(Cell::get)

@@ -214,6 +214,7 @@ impl<K: Kind> MemPool<K> {
     pub fn snapshot(&self) -> Snapshot {
         let mut s = self.inner.alloc.snapshot();
         s.segments.retain(|seg| seg.pool == self.inner.id);
+        s.trace.retain(|e| e.pool == self.inner.id);
         s
     }
 

@@ -481,7 +481,9 @@ impl DeviceAllocator {
             })
             .collect();
         segments.sort_by_key(|s| s.address);
-        Snapshot { device: self.backend.device(), backend: self.backend.kind(), segments }
+        let device = self.backend.device();
+        let trace = crate::trace::history(Some(device));
+        Snapshot { device, backend: self.backend.kind(), segments, trace }
     }
 }
 

@@ -1,0 +1,75 @@
+//! The summary and timeline of a mempool snapshot, and of a snapshot in PyTorch's own layout.
+
+use mempool::sim::SimDevice;
+use mempool::{Allocator, MemPool, PoolOptions};
+use mempool_viz::SnapshotView;
+
+#[test]
+fn summary_timeline_and_svg_of_a_mempool_snapshot() {
+    mempool::record_history(10_000);
+    let a = Allocator::sim(SimDevice::new(1 << 30));
+    let pool = MemPool::on(&a, PoolOptions::new());
+    let x = a.alloc::<u8>(3 << 20).unwrap(); // 20 MiB segment, 3 MiB used
+    let y = pool.alloc::<u8>(1000).unwrap(); // 2 MiB small segment of the pool
+    let z = a.alloc::<u8>(1 << 20).unwrap();
+    drop(z);
+    let snap = a.snapshot();
+    let view = SnapshotView::from_pickle(&snap.to_pickle()).unwrap();
+    let s = view.summary();
+    assert_eq!(s.len(), 2);
+    assert_eq!((s[0].pool, s[0].segments, s[0].reserved, s[0].allocated), (0, 2, 22 << 20, 3 << 20));
+    assert_eq!(s[0].largest_free, 17 << 20);
+    assert_eq!((s[1].pool, s[1].segments, s[1].reserved, s[1].allocated), (pool.id().0, 1, 2 << 20, 1024));
+    // Free: 17 MiB + (2 MiB) of the small default segment... the largest is 17 MiB of 19 MiB.
+    assert!((s[0].fragmentation() - (1.0 - 17.0 / 19.0)).abs() < 1e-9);
+    let table = mempool_viz::format_summary(&s);
+    assert!(table.contains("0 (default)") && table.contains("22.00 MiB") && table.contains("fragmentation"), "{table}");
+    // The timeline ends where the snapshot is.
+    let tl = view.timeline();
+    let (_, alloc, reserved) = tl.points.last().unwrap();
+    assert_eq!(*reserved, 24 << 20);
+    assert_eq!(alloc.iter().sum::<u64>(), (3 << 20) + 1024);
+    assert!(tl.points.len() > 5);
+    let path = std::env::temp_dir().join(format!("mempool-viz-{}.svg", std::process::id()));
+    mempool_viz::render_timeline(&view, &path).unwrap();
+    let svg = std::fs::read_to_string(&path).unwrap();
+    for want in [
+        "<svg",
+        "memory (MiB)",
+        "time since the first recorded event (ms)",
+        "allocated, default pools",
+        &format!("allocated, pool {}", pool.id().0),
+        "reserved, all pools",
+    ] {
+        assert!(svg.contains(want), "{want:?} missing from the SVG");
+    }
+    std::fs::remove_file(path).ok();
+    drop((x, y));
+}
+
+#[test]
+fn reads_pytorchs_snapshot_layout() {
+    // What torch.cuda.memory._snapshot() pickles (abridged), made by Python itself.
+    let script = r#"
+import pickle, sys
+d = {'segments': [{'device': 0, 'address': 1000, 'total_size': 2097152, 'allocated_size': 512,
+        'active_size': 512, 'requested_size': 100, 'stream': 0, 'segment_type': 'small',
+        'segment_pool_id': (0, 0), 'is_expandable': False, 'frames': [],
+        'blocks': [{'address': 1000, 'size': 512, 'requested_size': 100, 'state': 'active_allocated', 'frames': []},
+                   {'address': 1512, 'size': 2096640, 'requested_size': 2096640, 'state': 'inactive', 'frames': []}]}],
+     'device_traces': [[{'action': 'segment_alloc', 'addr': 1000, 'size': 2097152, 'stream': 0, 'time_us': 10, 'frames': []},
+                        {'action': 'alloc', 'addr': 1000, 'size': 512, 'stream': 0, 'time_us': 12, 'frames': []}]]}
+sys.stdout.buffer.write(pickle.dumps(d))
+"#;
+    let out = std::process::Command::new("python3").arg("-c").arg(script).output().expect("python3");
+    assert!(out.status.success());
+    let view = SnapshotView::from_pickle(&out.stdout).unwrap();
+    assert_eq!(view.segments.len(), 1);
+    assert_eq!(view.events.len(), 2);
+    let s = view.summary();
+    assert_eq!((s[0].reserved, s[0].allocated, s[0].largest_free), (2097152, 512, 2096640));
+    let tl = view.timeline();
+    assert_eq!(tl.points.first().unwrap().2, 0, "reserved before the trace");
+    assert_eq!(tl.points.last().unwrap().2, 2097152);
+    assert!(SnapshotView::from_pickle(b"not a pickle").is_err());
+}
