@@ -308,6 +308,13 @@ impl Communicator {
         Ok(())
     }
 
+    fn check_rank(&self, rank: usize) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(Error::InvalidRank { rank, world_size: self.world_size() });
+        }
+        Ok(())
+    }
+
     fn check_buf<T, B: DeviceSlice<T>>(&self, what: &'static str, b: &B, needed: usize) -> Result<()> {
         self.check_device(what, b.stream().context().ordinal())?;
         if b.len() < needed {
@@ -413,9 +420,7 @@ impl Communicator {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        if root >= self.world_size() {
-            return Err(Error::InvalidRank { rank: root, world_size: self.world_size() });
-        }
+        self.check_rank(root)?;
         let n = buf.len();
         self.check_buf("broadcast", buf, n)?;
         let (p, _p) = buf.device_ptr_mut(stream);
@@ -427,9 +432,7 @@ impl Communicator {
 
     /// Sends `buf` to `peer` (pair it with `recv` there; inside [`group`](Self::group) for both ways).
     pub fn send<T: NcclType, B: DevicePtr<T>>(&self, buf: &B, peer: usize, stream: &CudaStream) -> Result<()> {
-        if peer >= self.world_size() {
-            return Err(Error::InvalidRank { rank: peer, world_size: self.world_size() });
-        }
+        self.check_rank(peer)?;
         let n = buf.len();
         self.check_buf("send", buf, n)?;
         let (p, _p) = buf.device_ptr(stream);
@@ -441,9 +444,7 @@ impl Communicator {
 
     /// Receives `buf.len()` elements from `peer`.
     pub fn recv<T: NcclType, B: DevicePtrMut<T>>(&self, buf: &mut B, peer: usize, stream: &CudaStream) -> Result<()> {
-        if peer >= self.world_size() {
-            return Err(Error::InvalidRank { rank: peer, world_size: self.world_size() });
-        }
+        self.check_rank(peer)?;
         let n = buf.len();
         self.check_buf("recv", buf, n)?;
         let (p, _p) = buf.device_ptr_mut(stream);

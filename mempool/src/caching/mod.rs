@@ -705,19 +705,7 @@ impl State {
             pending: 0,
         });
         self.segments[seg_idx as usize].head = block;
-        self.pools[pool as usize].segments += 1;
-        let oversize = size >= self.config.max_split_size;
-        let c = &mut self.stats;
-        c.segment.add(small, 1);
-        c.reserved_bytes.add(small, size);
-        c.num_device_alloc += 1;
-        if oversize {
-            c.oversize_segments.add(false, 1);
-        }
-        let p = &mut self.pools[pool as usize].stats;
-        p.segment.add(1);
-        p.reserved_bytes.add(size);
-        p.num_device_alloc += 1;
+        self.count_segment(pool, small, size, true);
         if trace::enabled() {
             self.emit(be, Action::SegmentAlloc, block);
         }
@@ -1021,19 +1009,36 @@ impl State {
         s.live = false;
         s.head = NONE;
         self.free_segments.push(seg);
-        self.pools[pool as usize].segments -= 1;
+        self.count_segment(pool, small, size, false);
+    }
+
+    /// Counts a segment obtained (`added`) or given back, for the device and its pool.
+    fn count_segment(&mut self, pool: u32, small: bool, size: usize, added: bool) {
         let oversize = size >= self.config.max_split_size;
-        let c = &mut self.stats;
-        c.segment.sub(small, 1);
-        c.reserved_bytes.sub(small, size);
-        c.num_device_free += 1;
-        if oversize {
-            c.oversize_segments.sub(false, 1);
+        let (c, p) = (&mut self.stats, &mut self.pools[pool as usize]);
+        if added {
+            p.segments += 1;
+            c.segment.add(small, 1);
+            c.reserved_bytes.add(small, size);
+            c.num_device_alloc += 1;
+            if oversize {
+                c.oversize_segments.add(false, 1);
+            }
+            p.stats.segment.add(1);
+            p.stats.reserved_bytes.add(size);
+            p.stats.num_device_alloc += 1;
+        } else {
+            p.segments -= 1;
+            c.segment.sub(small, 1);
+            c.reserved_bytes.sub(small, size);
+            c.num_device_free += 1;
+            if oversize {
+                c.oversize_segments.sub(false, 1);
+            }
+            p.stats.segment.sub(1);
+            p.stats.reserved_bytes.sub(size);
+            p.stats.num_device_free += 1;
         }
-        let p = &mut self.pools[pool as usize].stats;
-        p.segment.sub(1);
-        p.reserved_bytes.sub(size);
-        p.num_device_free += 1;
     }
 
     /// With `garbage_collection_threshold` set: once reserved memory passes that fraction of the
