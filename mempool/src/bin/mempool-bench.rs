@@ -18,6 +18,7 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
+use mempool::replay::TraceOp;
 use mempool::sim::SimDevice;
 use mempool::{pool_scope, with_pool, Allocator, Buffer, Kind, MemPool, PoolOptions};
 
@@ -176,40 +177,21 @@ fn scoped_pair<K: Kind>(a: &Allocator<K>, pool: &MemPool<K>) {
     drop(a.alloc::<u8>(512).expect("alloc"));
 }
 
-enum Ev {
-    Alloc(usize, usize),
-    Free(usize),
-}
-
-fn read_trace(path: &str) -> Result<Vec<Ev>, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(n, l)| {
-            let w: Vec<&str> = l.split_whitespace().collect();
-            let num = |i: usize| -> Result<usize, String> {
-                w.get(i).and_then(|x| x.parse().ok()).ok_or_else(|| format!("{path}:{}: bad line {l:?}", n + 1))
-            };
-            match w.first() {
-                Some(&"a") => Ok(Ev::Alloc(num(1)?, num(2)?)),
-                Some(&"f") => Ok(Ev::Free(num(1)?)),
-                _ => Err(format!("{path}:{}: expected `a <id> <bytes> <stream>` or `f <id>`, got {l:?}", n + 1)),
-            }
-        })
-        .collect()
-}
-
 fn replay<K: Kind>(a: &Allocator<K>, path: &str) -> Result<(), String> {
-    let evs = read_trace(path)?;
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    let evs = mempool::replay::parse_trace(&text).map_err(|e| format!("{path}: {e}"))?;
+    let name = path.rsplit('/').next().unwrap_or(path);
+    // Ids index a table (a hash lookup per event would be timed too); they must be dense.
     let max_id = evs
         .iter()
         .map(|e| match e {
-            Ev::Alloc(i, _) | Ev::Free(i) => *i,
+            TraceOp::Alloc { id, .. } | TraceOp::Free { id } => *id,
         })
         .max()
         .unwrap_or(0);
-    let name = path.rsplit('/').next().unwrap_or(path);
+    if max_id > 4 * evs.len() as u64 + 1024 {
+        return Err(format!("{path}: ids up to {max_id} for {} events: renumber them densely from 0", evs.len()));
+    }
     let mut live: Vec<Option<Buffer<u8, K>>> = (0..=max_id).map(|_| None).collect();
     a.empty_cache().map_err(|e| e.to_string())?;
     for rep in 0..3 {
@@ -217,8 +199,10 @@ fn replay<K: Kind>(a: &Allocator<K>, path: &str) -> Result<(), String> {
         let t = Instant::now();
         for e in &evs {
             match *e {
-                Ev::Alloc(id, size) => live[id] = Some(a.alloc(size).map_err(|e| e.to_string())?),
-                Ev::Free(id) => live[id] = None,
+                TraceOp::Alloc { id, bytes, .. } => {
+                    live[id as usize] = Some(a.alloc(bytes).map_err(|e| e.to_string())?)
+                }
+                TraceOp::Free { id } => live[id as usize] = None,
             }
         }
         let ns = t.elapsed().as_nanos() as f64 / evs.len().max(1) as f64;
