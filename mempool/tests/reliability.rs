@@ -62,7 +62,7 @@ impl RawAllocator for Tracking {
             l.fail_allocs -= 1;
             return if l.hard { Err(BackendError::Failed("injected".into())) } else { Ok(0) };
         }
-        if l.live.values().sum::<usize>() + size > 512 * MIB {
+        if l.live.values().sum::<usize>() + size > 96 * MIB {
             return Err(BackendError::OutOfMemory);
         }
         let addr = self.base + l.next;
@@ -158,11 +158,13 @@ struct World {
     retired: Vec<Tracking>,
     live: Vec<Buffer<u8, Sim>>,
     made: u64,
+    /// What the sequence did: allocations, each error kind, pool releases, cross-stream frees.
+    tally: BTreeMap<&'static str, u64>,
 }
 
 impl World {
     fn new() -> World {
-        let sim = SimDevice::new(768 * MIB);
+        let sim = SimDevice::new(192 * MIB);
         let a = Allocator::sim(sim.clone());
         let streams = vec![sim.default_stream(), sim.new_stream(), sim.new_stream()];
         let mut w = World {
@@ -174,6 +176,7 @@ impl World {
             retired: Vec::new(),
             live: Vec::new(),
             made: 0,
+            tally: BTreeMap::new(),
         };
         for p in 0..3 {
             let (pool, t) = w.make_pool(p);
@@ -201,9 +204,44 @@ impl World {
     }
 
     fn step(&mut self, op: Op) -> Result<(), String> {
-        let ok_err = |e: Error| match e {
-            Error::OutOfMemory(_) | Error::PoolAllocator { .. } | Error::Backend { .. } => Ok(()),
-            other => Err(format!("unexpected error: {other}")),
+        let tally = std::cell::RefCell::new(std::mem::take(&mut self.tally));
+        let ok_err = |e: Error| {
+            let kind = match e {
+                Error::OutOfMemory(_) => "error: out of memory",
+                Error::PoolAllocator { .. } => "error: user allocator failed",
+                Error::Backend { .. } => "error: backend (kept from a Drop, or injected)",
+                other => return Err(format!("unexpected error: {other}")),
+            };
+            *tally.borrow_mut().entry(kind).or_default() += 1;
+            Ok(())
+        };
+        let r = self.step_inner(op, &ok_err);
+        let mut t = tally.into_inner();
+        *t.entry(match op {
+            Op::Alloc { .. } => "op: alloc",
+            Op::Free { .. } => "op: free",
+            Op::Record { .. } => "op: record_stream",
+            Op::Complete { .. } => "op: complete a stream",
+            Op::EmptyCache => "op: empty_cache",
+            Op::EmptyPool(_) => "op: pool empty_cache",
+            Op::ReleasePool(_) => "op: release a pool",
+            Op::FailDeviceAlloc => "fault: device alloc",
+            Op::FailUserAlloc { .. } => "fault: user alloc",
+            Op::FailUserFree { .. } => "fault: user free",
+            Op::FailQuery => "fault: event query",
+            Op::Raw { .. } => "op: raw alloc/free",
+            Op::BadFree => "misuse: foreign free",
+        })
+        .or_default() += 1;
+        self.tally = t;
+        r
+    }
+
+    fn step_inner(&mut self, op: Op, ok_err: &dyn Fn(Error) -> Result<(), String>) -> Result<(), String> {
+        // Bounded live set: the invariant checks walk every block after every step.
+        let op = match op {
+            Op::Alloc { size, .. } if self.live.len() >= 300 => Op::Free { slot: size as u16 },
+            other => other,
         };
         match op {
             Op::Alloc { size, stream, route } => {
@@ -284,6 +322,8 @@ impl World {
             }
             Op::Free { .. } | Op::Record { .. } => {}
         }
+        // A released pool never allocates again: once its allocator holds nothing, it is done.
+        self.retired.retain(|t| !t.ledger().live.is_empty());
         self.check()
     }
 
@@ -317,6 +357,7 @@ impl World {
 
     /// Frees everything and checks that every byte went back where it came from.
     fn finish(mut self) -> Result<(), String> {
+        let retired_at_end = self.retired.clone();
         self.live.clear();
         self.sim.complete_all();
         for t in self.trackers.iter().flatten() {
@@ -337,7 +378,7 @@ impl World {
                 self.a.memory_stats().reserved_bytes.all.current
             ));
         }
-        for t in self.trackers() {
+        for t in self.trackers().chain(&retired_at_end) {
             if !t.ledger().live.is_empty() {
                 return Err(format!("a user allocator still holds {:?} at the end", t.ledger().live));
             }
@@ -350,14 +391,15 @@ fn panic_text(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default()
 }
 
-/// Runs a sequence; the first failure, with its step.
-fn run(ops: &[Op]) -> Result<(), String> {
+/// Runs a sequence; the first failure, with its step. On success, what it did.
+fn run(ops: &[Op]) -> Result<BTreeMap<&'static str, u64>, String> {
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
         let mut w = World::new();
         for (i, op) in ops.iter().enumerate() {
             w.step(*op).map_err(|e| format!("step {i} ({op:?}): {e}"))?;
         }
-        w.finish()
+        let tally = w.tally.clone();
+        w.finish().map(|()| tally)
     }));
     outcome.map_err(panic_text)?
 }
@@ -383,7 +425,11 @@ fn shrink(mut ops: Vec<Op>) -> Vec<Op> {
 
 fn campaign(seed: u64, n: usize) {
     let ops = generate(seed, n);
-    if let Err(e) = run(&ops) {
+    let r = run(&ops);
+    if let Ok(tally) = &r {
+        eprintln!("seed {seed}, {n} steps: {tally:?}");
+    }
+    if let Err(e) = r {
         let hook = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
         let minimal = shrink(ops);
