@@ -88,6 +88,13 @@ fn all_reduce_on_registered_pool_buffers_threads() {
         let mut out = filled(&pool, &stream, 0f32, 5);
         let e = comm.all_reduce(&short, &mut out, ReduceOp::Sum, &stream).unwrap_err();
         assert!(e.to_string().contains("needs 10 elements, but the buffer holds 5"), "{e}");
+        if world > 1 {
+            // A buffer of another device: refused before NCCL is called.
+            let other = (comm.device() + 1) % world;
+            let mut theirs = Allocator::cuda(other).unwrap().alloc::<f32>(16).unwrap();
+            let e = comm.all_reduce_in_place(&mut theirs, ReduceOp::Sum, &stream).unwrap_err();
+            assert_eq!(e, mempool_nccl::Error::WrongDevice { what: "all_reduce_in_place", expected: comm.device(), found: other });
+        }
         assert!(reg.take_errors().is_empty(), "{:?}", reg.take_errors());
         stream.synchronize().unwrap();
         rank
