@@ -93,7 +93,10 @@ fn all_reduce_on_registered_pool_buffers_threads() {
             let other = (comm.device() + 1) % world;
             let mut theirs = Allocator::cuda(other).unwrap().alloc::<f32>(16).unwrap();
             let e = comm.all_reduce_in_place(&mut theirs, ReduceOp::Sum, &stream).unwrap_err();
-            assert_eq!(e, mempool_nccl::Error::WrongDevice { what: "all_reduce_in_place", expected: comm.device(), found: other });
+            assert_eq!(
+                e,
+                mempool_nccl::Error::WrongDevice { what: "all_reduce_in_place", expected: comm.device(), found: other }
+            );
         }
         assert!(reg.take_errors().is_empty(), "{:?}", reg.take_errors());
         stream.synchronize().unwrap();
