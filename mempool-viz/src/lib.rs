@@ -280,12 +280,10 @@ impl SnapshotView {
         let mut delta_alloc = vec![0i128; pools.len()];
         let mut delta_res = 0i128;
         for e in &self.events {
-            match e.action.as_str() {
-                "alloc" => delta_alloc[index(e.pool)] += e.size as i128,
-                "free_completed" => delta_alloc[index(e.pool)] -= e.size as i128,
-                "segment_alloc" => delta_res += e.size as i128,
-                "segment_free" => delta_res -= e.size as i128,
-                _ => {}
+            match change(e) {
+                Some(Change::Allocated(d)) => delta_alloc[index(e.pool)] += d,
+                Some(Change::Reserved(d)) => delta_res += d,
+                None => {}
             }
         }
         let summary = self.summary();
@@ -297,17 +295,32 @@ impl SnapshotView {
         let t0 = self.events.first().map_or(0, |e| e.time_us);
         let mut points = vec![(0.0, alloc.iter().map(|a| *a as u64).collect(), res as u64)];
         for e in &self.events {
-            match e.action.as_str() {
-                "alloc" => alloc[index(e.pool)] += e.size as i128,
-                "free_completed" => alloc[index(e.pool)] -= e.size as i128,
-                "segment_alloc" => res += e.size as i128,
-                "segment_free" => res -= e.size as i128,
-                _ => continue,
+            match change(e) {
+                Some(Change::Allocated(d)) => alloc[index(e.pool)] += d,
+                Some(Change::Reserved(d)) => res += d,
+                None => continue,
             }
             let t = e.time_us.saturating_sub(t0) as f64 / 1000.0;
             points.push((t, alloc.iter().map(|a| (*a).max(0) as u64).collect(), res.max(0) as u64));
         }
         Timeline { pools, points }
+    }
+}
+
+/// What an event does to the timeline's two quantities.
+enum Change {
+    Allocated(i128),
+    Reserved(i128),
+}
+
+fn change(e: &Event) -> Option<Change> {
+    let n = e.size as i128;
+    match e.action.as_str() {
+        "alloc" => Some(Change::Allocated(n)),
+        "free_completed" => Some(Change::Allocated(-n)),
+        "segment_alloc" => Some(Change::Reserved(n)),
+        "segment_free" => Some(Change::Reserved(-n)),
+        _ => None,
     }
 }
 
