@@ -492,3 +492,26 @@ fn snapshot_tells_pools_apart() {
     assert!(all.segments.iter().any(|s| s.pool == mempool::PoolId::DEFAULT));
     check_invariants(&a, Some(&sim));
 }
+
+#[test]
+fn a_pool_dropped_inside_a_hook_is_released_at_the_next_call() {
+    // Its own device index: hooks see every allocator of the process, other tests' too.
+    let a = Allocator::sim(SimDevice::with_index(7, 1 << 30));
+    let c = Counting::new();
+    let pool = pool_of(&a, &c);
+    drop(pool.alloc::<u8>(100).unwrap()); // a cached segment in the pool
+    let slot: Arc<Mutex<Option<MemPool<Sim>>>> = Arc::new(Mutex::new(Some(pool)));
+    let (s2, device) = (slot.clone(), a.device());
+    let hook = trace::attach(move |e| {
+        if e.device == device && e.action == Action::Alloc {
+            s2.lock().unwrap().take(); // the last handle, dropped inside the callback
+        }
+    })
+    .unwrap();
+    let _x = a.alloc::<u8>(10).unwrap();
+    drop(hook);
+    assert!(slot.lock().unwrap().is_none());
+    assert_eq!(c.log().frees.len(), 0, "released while the allocator was locked");
+    let _y = a.alloc::<u8>(10).unwrap(); // the next call releases it
+    assert_eq!(c.log().frees.len(), 1, "the pool dropped in a hook was never released");
+}

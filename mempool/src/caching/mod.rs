@@ -172,9 +172,18 @@ struct State {
 pub(crate) struct DeviceAllocator {
     backend: Arc<dyn Backend>,
     state: Mutex<State>,
-    /// Blocks whose `Buffer` was dropped inside a trace callback (when the lock was held).
-    deferred: Mutex<Vec<u32>>,
+    /// Work asked for inside a trace callback, when the lock was held: done at the next call.
+    deferred: Mutex<Vec<Deferred>>,
     has_deferred: AtomicBool,
+}
+
+/// What a trace callback could not do itself.
+#[derive(Debug, Clone, Copy)]
+enum Deferred {
+    /// A `Buffer` dropped: free its block.
+    Free(u32),
+    /// A pool's last handle dropped: release the pool.
+    Release(u32),
 }
 
 /// A block handed out by [`DeviceAllocator::malloc`].
@@ -245,10 +254,18 @@ impl DeviceAllocator {
     #[cold]
     fn free_deferred(&self, st: &mut State) {
         self.has_deferred.store(false, Ordering::Relaxed);
-        let blocks = std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
-        for b in blocks {
-            st.free(&*self.backend, b);
+        let work = std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in work {
+            match w {
+                Deferred::Free(b) => st.free(&*self.backend, b),
+                Deferred::Release(slot) => st.release_pool(&*self.backend, slot),
+            }
         }
+    }
+
+    fn defer(&self, w: Deferred) {
+        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push(w);
+        self.has_deferred.store(true, Ordering::Relaxed);
     }
 
     /// The state for a call that can report [`Error::Reentrant`].
@@ -294,8 +311,7 @@ impl DeviceAllocator {
     pub(crate) fn free(&self, block: u32) {
         if trace::in_hook() {
             // The allocator is locked by the dispatch that called this hook: free it later.
-            self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push(block);
-            self.has_deferred.store(true, Ordering::Relaxed);
+            self.defer(Deferred::Free(block));
             return;
         }
         let mut st = self.lock();
@@ -437,18 +453,12 @@ impl DeviceAllocator {
     /// as they become wholly free.
     pub(crate) fn release_pool(&self, slot: u32) {
         if trace::in_hook() {
-            // Cannot lock here; the pool is released at the next segment free or empty_cache.
+            // The allocator is locked by the dispatch that called this hook: release it later.
+            self.defer(Deferred::Release(slot));
             return;
         }
         let mut st = self.lock();
-        let be = &*self.backend;
-        st.pools[slot as usize].released = true;
-        if !st.pending.is_empty() {
-            st.process_events(be);
-        }
-        let id = st.pools[slot as usize].spec.id;
-        st.release_cached(be, |p| p.spec.id == id);
-        st.retire_pool_if_empty(slot);
+        st.release_pool(&*self.backend, slot);
     }
 
     pub(crate) fn snapshot(&self) -> Snapshot {
@@ -495,6 +505,16 @@ fn limit_for(backend: &dyn Backend, fraction: f64) -> Option<usize> {
 }
 
 impl State {
+    fn release_pool(&mut self, be: &dyn Backend, slot: u32) {
+        self.pools[slot as usize].released = true;
+        if !self.pending.is_empty() {
+            self.process_events(be);
+        }
+        let id = self.pools[slot as usize].spec.id;
+        self.release_cached(be, |p| p.spec.id == id);
+        self.retire_pool_if_empty(slot);
+    }
+
     /// Reports `action` on `block` to the trace hooks (the caller checked `trace::enabled`).
     fn emit(&self, be: &dyn Backend, action: Action, block: u32) {
         let b = &self.blocks[block as usize];
