@@ -211,7 +211,9 @@ fn make<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Allo
     Allocator { shared: Handle::Owned(Arc::new(shared(backend, config, ext))) }
 }
 
-type CudaSlots = Vec<Mutex<Option<Allocator<Cuda>>>>;
+/// Per device: the allocator once made (read without a lock on every `mempool::alloc`), and a
+/// lock that only its creation takes.
+type CudaSlots = Vec<(OnceLock<Allocator<Cuda>>, Mutex<()>)>;
 
 fn cuda_slots() -> Result<&'static CudaSlots> {
     static SLOTS: OnceLock<CudaSlots> = OnceLock::new();
@@ -219,7 +221,7 @@ fn cuda_slots() -> Result<&'static CudaSlots> {
         return Ok(s);
     }
     let n = crate::backend::cuda::device_count()?;
-    Ok(SLOTS.get_or_init(|| (0..n).map(|_| Mutex::new(None)).collect()))
+    Ok(SLOTS.get_or_init(|| (0..n).map(|_| (OnceLock::new(), Mutex::new(()))).collect()))
 }
 
 impl Allocator<Cuda> {
@@ -231,9 +233,13 @@ impl Allocator<Cuda> {
     /// `MEMPOOL_ALLOC_CONF`.
     pub fn cuda(ordinal: usize) -> Result<Allocator<Cuda>> {
         let slots = cuda_slots()?;
-        let slot = slots.get(ordinal).ok_or(Error::InvalidDevice { device: ordinal, count: slots.len() })?;
-        let mut slot = slot.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = &*slot {
+        let (slot, creating) =
+            slots.get(ordinal).ok_or(Error::InvalidDevice { device: ordinal, count: slots.len() })?;
+        if let Some(a) = slot.get() {
+            return Ok(a.clone());
+        }
+        let _creating = creating.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = slot.get() {
             return Ok(a.clone());
         }
         let config = Config::from_env()?;
@@ -242,14 +248,13 @@ impl Allocator<Cuda> {
         // Lives for the rest of the process, like the device itself.
         env_settings();
         let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
-        *slot = Some(a.clone());
-        Ok(a)
+        Ok(slot.get_or_init(|| a).clone())
     }
 
     /// The allocators created so far, in device order.
     pub(crate) fn created() -> Vec<Allocator<Cuda>> {
         match cuda_slots() {
-            Ok(slots) => slots.iter().filter_map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect(),
+            Ok(slots) => slots.iter().filter_map(|(s, _)| s.get().cloned()).collect(),
             Err(_) => Vec::new(),
         }
     }
