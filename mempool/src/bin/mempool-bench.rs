@@ -22,6 +22,16 @@ use mempool::replay::TraceOp;
 use mempool::sim::SimDevice;
 use mempool::{pool_scope, with_pool, Allocator, Buffer, Kind, MemPool, PoolOptions};
 
+/// `println!` that ends the program quietly when stdout is closed (`mempool-bench ... | head`).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if writeln!(std::io::stdout(), $($t)*).is_err() {
+            std::process::exit(0);
+        }
+    }};
+}
+
 const PAIR_SIZES: [usize; 5] = [512, 4096, 1 << 20, 8 << 20, 64 << 20];
 const WARMUP: usize = 1_000;
 const MIXED_LIVE: [usize; 2] = [16, 256];
@@ -102,19 +112,19 @@ fn mixed_raw<K: Kind>(a: &Allocator<K>, live: usize) -> f64 {
 fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
     let want = |k: &str| only.is_empty() || only.iter().any(|o| o == k);
     for s in PAIR_SIZES.into_iter().filter(|_| want("pair")) {
-        println!("pair {s} {:.1}", pair(a, s));
+        out!("pair {s} {:.1}", pair(a, s));
     }
     for l in MIXED_LIVE.into_iter().filter(|_| want("mixed")) {
         let before = a.memory_stats().num_device_alloc;
         let ns = mixed(a, l);
-        println!("mixed {l} {ns:.1}");
-        eprintln!("mixed {l}: {} segment allocations", a.memory_stats().num_device_alloc - before);
+        out!("mixed {l} {ns:.1}");
+        eout!("mixed {l}: {} segment allocations", a.memory_stats().num_device_alloc - before);
     }
     for s in PAIR_SIZES.into_iter().filter(|_| want("pair-raw")) {
-        println!("pair-raw {s} {:.1}", pair_raw(a, s));
+        out!("pair-raw {s} {:.1}", pair_raw(a, s));
     }
     for l in MIXED_LIVE.into_iter().filter(|_| want("mixed-raw")) {
-        println!("mixed-raw {l} {:.1}", mixed_raw(a, l));
+        out!("mixed-raw {l} {:.1}", mixed_raw(a, l));
     }
 }
 
@@ -129,15 +139,15 @@ fn scope<K: Kind>(a: &Allocator<K>) {
     for _ in 0..n {
         drop(std::hint::black_box(pool.scope()));
     }
-    println!("scope enter_exit {:.1}", t.elapsed().as_nanos() as f64 / n as f64);
+    out!("scope enter_exit {:.1}", t.elapsed().as_nanos() as f64 / n as f64);
     for s in [512, 1 << 20] {
         let default = pair(a, s);
         let inside = {
             let _scope = pool.scope();
             pair(a, s)
         };
-        println!("scope pair_default {s} {default:.1}");
-        println!("scope pair_in_scope {s} {inside:.1} ({:+.1}%)", (inside / default - 1.0) * 100.0);
+        out!("scope pair_default {s} {default:.1}");
+        out!("scope pair_in_scope {s} {inside:.1} ({:+.1}%)", (inside / default - 1.0) * 100.0);
     }
     // A scope entered and left around every pair: by hand, through `pool_scope!`, and through a
     // `#[with_pool]` function. The macros should cost what the guard costs.
@@ -159,10 +169,10 @@ fn scope<K: Kind>(a: &Allocator<K>) {
     let with_macro = per_pair(&|| pool_scope!(pool => { drop(a.alloc::<u8>(512).expect("alloc")) }));
     let guard_fn = per_pair(&|| guarded_pair(a, &pool));
     let attr = per_pair(&|| scoped_pair(a, &pool));
-    println!("scope pair_with_guard 512 {guard:.1}");
-    println!("scope pair_with_pool_scope_macro 512 {with_macro:.1} ({:+.1}%)", (with_macro / guard - 1.0) * 100.0);
-    println!("scope pair_in_fn_with_guard 512 {guard_fn:.1}");
-    println!("scope pair_in_fn_with_pool_attribute 512 {attr:.1} ({:+.1}%)", (attr / guard_fn - 1.0) * 100.0);
+    out!("scope pair_with_guard 512 {guard:.1}");
+    out!("scope pair_with_pool_scope_macro 512 {with_macro:.1} ({:+.1}%)", (with_macro / guard - 1.0) * 100.0);
+    out!("scope pair_in_fn_with_guard 512 {guard_fn:.1}");
+    out!("scope pair_in_fn_with_pool_attribute 512 {attr:.1} ({:+.1}%)", (attr / guard_fn - 1.0) * 100.0);
 }
 
 #[inline(never)]
@@ -208,7 +218,7 @@ fn replay<K: Kind>(a: &Allocator<K>, path: &str) -> Result<(), String> {
         let ns = t.elapsed().as_nanos() as f64 / evs.len().max(1) as f64;
         let s = a.memory_stats();
         live.iter_mut().for_each(|b| *b = None);
-        println!(
+        out!(
             "mempool {name} rep={rep} {} events={} ns_per_event={ns:.1} peak_allocated={} peak_reserved={}",
             if rep == 0 { "cold" } else { "warm" },
             evs.len(),
@@ -243,21 +253,21 @@ fn main() -> ExitCode {
     let mut backend = None;
     if let Some(i) = args.iter().position(|a| a == "--backend") {
         if i + 1 >= args.len() {
-            eprintln!("{}", usage());
+            eout!("{}", usage());
             return ExitCode::from(2);
         }
         backend = Some(args.remove(i + 1));
         args.remove(i);
     }
     let Some(cmd) = args.first().cloned() else {
-        eprintln!("{}", usage());
+        eout!("{}", usage());
         return ExitCode::from(2);
     };
     let rest = &args[1..];
     let backend = backend.unwrap_or_else(|| match mempool::device_count() {
         Ok(n) if n > 0 => "cuda".into(),
         _ => {
-            eprintln!("mempool-bench: no CUDA GPU here; using the host backend");
+            eout!("mempool-bench: no CUDA GPU here; using the host backend");
             "host".into()
         }
     });
@@ -270,7 +280,7 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("mempool-bench: {e}");
+            eout!("mempool-bench: {e}");
             ExitCode::FAILURE
         }
     }
