@@ -118,7 +118,7 @@ fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
         let before = a.memory_stats().num_device_alloc;
         let ns = mixed(a, l);
         out!("mixed {l} {ns:.1}");
-        eout!("mixed {l}: {} segment allocations", a.memory_stats().num_device_alloc - before);
+        eprintln!("mixed {l}: {} segment allocations", a.memory_stats().num_device_alloc - before);
     }
     for s in PAIR_SIZES.into_iter().filter(|_| want("pair-raw")) {
         out!("pair-raw {s} {:.1}", pair_raw(a, s));
@@ -253,21 +253,21 @@ fn main() -> ExitCode {
     let mut backend = None;
     if let Some(i) = args.iter().position(|a| a == "--backend") {
         if i + 1 >= args.len() {
-            eout!("{}", usage());
+            eprintln!("{}", usage());
             return ExitCode::from(2);
         }
         backend = Some(args.remove(i + 1));
         args.remove(i);
     }
     let Some(cmd) = args.first().cloned() else {
-        eout!("{}", usage());
+        eprintln!("{}", usage());
         return ExitCode::from(2);
     };
     let rest = &args[1..];
     let backend = backend.unwrap_or_else(|| match mempool::device_count() {
         Ok(n) if n > 0 => "cuda".into(),
         _ => {
-            eout!("mempool-bench: no CUDA GPU here; using the host backend");
+            eprintln!("mempool-bench: no CUDA GPU here; using the host backend");
             "host".into()
         }
     });
@@ -280,7 +280,7 @@ fn main() -> ExitCode {
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eout!("mempool-bench: {e}");
+            eprintln!("mempool-bench: {e}");
             ExitCode::FAILURE
         }
     }
