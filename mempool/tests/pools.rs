@@ -515,3 +515,22 @@ fn a_pool_dropped_inside_a_hook_is_released_at_the_next_call() {
     let _y = a.alloc::<u8>(10).unwrap(); // the next call releases it
     assert_eq!(c.log().frees.len(), 1, "the pool dropped in a hook was never released");
 }
+
+#[test]
+fn short_lived_pools_reuse_the_free_sets_of_released_ones() {
+    let (sim, a) = setup();
+    let s1 = sim.new_stream();
+    for i in 0..300 {
+        let pool = MemPool::on(&a, PoolOptions::new());
+        let _g = a.set_stream(&s1).unwrap();
+        let x = pool.alloc::<u8>(100 + i).unwrap();
+        let y = pool.alloc::<u8>(3 << 20).unwrap();
+        drop(x);
+        let z = pool.alloc::<u8>(100 + i).unwrap(); // reuses the block freed just before
+        assert_eq!(pool.memory_stats().num_segment_alloc, 2, "pool {i} did not reuse its own blocks");
+        drop((y, z, pool));
+        // Blocks of a retired pool's sets never reach a new pool or the default pools.
+        assert_eq!(a.memory_stats().allocation.all.current, 0);
+        common::check_invariants(&a, Some(&sim));
+    }
+}

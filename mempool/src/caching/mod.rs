@@ -154,6 +154,8 @@ struct State {
     segments: Vec<Segment>,
     free_segments: Vec<u32>,
     sets: Vec<FreeSet>,
+    /// Sets of retired pools (empty), for reuse: short-lived pools must not grow the table.
+    idle_sets: Vec<u32>,
     set_index: IdMap<SetKey, u32>,
     /// The set of the last allocation: most programs allocate on one stream at a time.
     last_set: (SetKey, u32),
@@ -220,6 +222,7 @@ impl DeviceAllocator {
                 segments: Vec::new(),
                 free_segments: Vec::new(),
                 sets: Vec::new(),
+                idle_sets: Vec::new(),
                 set_index: IdMap::default(),
                 last_set: ((u32::MAX, StreamId(u64::MAX), false), 0),
                 pools: vec![default_pool],
@@ -532,8 +535,13 @@ impl State {
             self.last_set = (k, i);
             return i;
         }
-        let i = self.sets.len() as u32;
-        self.sets.push(FreeSet::new());
+        let i = match self.idle_sets.pop() {
+            Some(i) => i,
+            None => {
+                self.sets.push(FreeSet::new());
+                (self.sets.len() - 1) as u32
+            }
+        };
         self.set_index.insert(k, i);
         i
     }
@@ -988,8 +996,15 @@ impl State {
         if slot != 0 && p.live && p.released && p.segments == 0 {
             p.live = false;
             p.spec.raw = None;
-            // Its free sets are empty; forget them so a new pool in this slot starts clean.
-            self.set_index.retain(|k, _| k.0 != slot);
+            // Its free sets are empty: keep them for reuse, and forget whose they were.
+            let idle = &mut self.idle_sets;
+            self.set_index.retain(|k, i| {
+                let keep = k.0 != slot;
+                if !keep {
+                    idle.push(*i);
+                }
+                keep
+            });
             self.last_set = ((u32::MAX, StreamId(u64::MAX), false), 0);
         }
     }
