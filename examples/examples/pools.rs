@@ -32,7 +32,9 @@ struct Counting {
     freed: Arc<AtomicUsize>,
 }
 
-impl RawAllocator for Counting {
+// SAFETY: segments are fresh `std::alloc` (host) or `cuMemAlloc` (CUDA) allocations of exactly
+// `size` bytes, 4 KiB / 256 B aligned, owned by the caller until `free` releases them once.
+unsafe impl RawAllocator for Counting {
     fn name(&self) -> &str {
         "counting"
     }
@@ -54,7 +56,7 @@ impl RawAllocator for Counting {
         Ok(p)
     }
 
-    fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
         match &self.source {
             Source::Host => {
                 let layout = Layout::from_size_align(size, 4096).map_err(|e| BackendError::Failed(e.to_string()))?;
@@ -85,8 +87,8 @@ impl Checks {
 
 fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode> {
     let counting = Counting { source, allocated: Arc::default(), freed: Arc::default() };
-    let pool = MemPool::on(&alloc, PoolOptions::new().allocator(counting.clone()));
-    let device_pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new().allocator(counting.clone())).unwrap();
+    let device_pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     let mut c = Checks(Vec::new());
     let in_pool = |p: &MemPool<K>| p.memory_stats().allocation.current;
 

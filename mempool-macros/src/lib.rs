@@ -33,7 +33,7 @@ use proc_macro::TokenStream;
 /// }
 ///
 /// let alloc = Allocator::sim(SimDevice::new(64 << 20));
-/// let pool = MemPool::on(&alloc, PoolOptions::new());
+/// let pool = MemPool::on(&alloc, PoolOptions::new())?;
 /// fill(&alloc, &pool)?;
 /// assert_eq!(pool.memory_stats().allocation.allocated, 1);
 /// # Ok::<(), mempool::Error>(())
@@ -49,7 +49,7 @@ pub fn with_pool(attr: TokenStream, item: TokenStream) -> TokenStream {
 /// ```
 /// use mempool::{pool_scope, Allocator, MemPool, PoolOptions, sim::SimDevice};
 /// let alloc = Allocator::sim(SimDevice::new(64 << 20));
-/// let pool = MemPool::on(&alloc, PoolOptions::new());
+/// let pool = MemPool::on(&alloc, PoolOptions::new())?;
 /// let buf = pool_scope!(pool => { alloc.alloc::<u8>(1000)? });
 /// assert_eq!(pool.memory_stats().allocation.current, 1);
 /// # Ok::<(), mempool::Error>(())
@@ -79,7 +79,7 @@ pub fn pool_scope(input: TokenStream) -> TokenStream {
 /// }
 ///
 /// let alloc = Allocator::sim(SimDevice::new(64 << 20));
-/// let (a, b) = (MemPool::on(&alloc, PoolOptions::new()), MemPool::on(&alloc, PoolOptions::new()));
+/// let (a, b) = (MemPool::on(&alloc, PoolOptions::new())?, MemPool::on(&alloc, PoolOptions::new())?);
 /// step(&alloc, &a, &b)?;
 /// assert_eq!((a.memory_stats().allocation.allocated, b.memory_stats().allocation.allocated), (1, 1));
 /// # Ok::<(), mempool::Error>(())

@@ -70,7 +70,10 @@ impl NcclMemAllocator {
     }
 }
 
-impl RawAllocator for NcclMemAllocator {
+// SAFETY: `alloc` returns what `ncclMemAlloc` returned for exactly `size` bytes of this device
+// (a cuMem allocation sized and aligned to the recommended granularity, which `granularity`
+// reports), owned by the caller until `free` gives it to `ncclMemFree`; other devices are refused.
+unsafe impl RawAllocator for NcclMemAllocator {
     fn name(&self) -> &str {
         "ncclMemAlloc"
     }
@@ -100,10 +103,15 @@ impl RawAllocator for NcclMemAllocator {
         }
     }
 
-    fn free(&self, ptr: u64, _size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, _size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
-        // SAFETY: `ptr` came from `ncclMemAlloc` above and the pool frees each segment once,
-        // after the trace hooks deregistered it from every communicator.
+        // Work queued on the segment's stream may still use it: the unmap inside ncclMemFree
+        // must come after it.
+        // SAFETY: the caller promises `stream` is the segment's stream, alive during this call.
+        unsafe { cudarc::driver::result::stream::synchronize(stream.0 as cu::CUstream) }
+            .map_err(|e| BackendError::Failed(format!("synchronizing the segment's stream: {e}")))?;
+        // SAFETY: the caller promises `ptr` came from `ncclMemAlloc` above and is given back once,
+        // unused (the pool delivers its `SegmentFree` first, so registrations are undone).
         match unsafe { sys::ncclMemFree(ptr as *mut c_void) } {
             sys::ncclResult_t::ncclSuccess => Ok(()),
             r => Err(BackendError::Failed(format!("ncclMemFree returned {r:?}"))),
@@ -129,5 +137,5 @@ pub fn nccl_pool(device: usize) -> Result<MemPool> {
 /// Like [`nccl_pool`], with options (`no_split`, `use_on_oom`...); the allocator is set here.
 pub fn nccl_pool_with(device: usize, options: PoolOptions) -> Result<MemPool> {
     let a = NcclMemAllocator::new(device)?;
-    Ok(MemPool::on(&Allocator::cuda(device)?, options.allocator(a)))
+    Ok(MemPool::on(&Allocator::cuda(device)?, options.allocator(a))?)
 }

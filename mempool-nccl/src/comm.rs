@@ -12,8 +12,8 @@ use crate::alloc::check_nccl;
 use crate::error::{nccl, Error, Result};
 use crate::register::{NcclRegistrar, RegState, Registrar, Registration};
 
-/// An element type NCCL reduces.
-pub trait NcclType: DeviceRepr {
+/// An element type NCCL reduces: plain bits, so buffers of it can be allocated uninitialised.
+pub trait NcclType: DeviceRepr + mempool::AnyBitPattern {
     /// NCCL's name for it.
     const TYPE: sys::ncclDataType_t;
 }
@@ -51,6 +51,12 @@ impl Bf16 {
 // SAFETY: `Bf16` is `repr(transparent)` over `u16`: plain bits, valid for any value, with the
 // layout NCCL's ncclBfloat16 expects.
 unsafe impl DeviceRepr for Bf16 {}
+
+// SAFETY: `repr(transparent)` over `u16`: every bit pattern is a bfloat16 (NaNs included).
+unsafe impl mempool::AnyBitPattern for Bf16 {}
+
+// SAFETY: all zero bits is +0.0.
+unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
 
 impl NcclType for Bf16 {
     const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclBfloat16;

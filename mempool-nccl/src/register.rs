@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::nccl::sys;
 use mempool::trace::{self, Action, TraceHandle};
-use mempool::{Allocator, Kind, PoolId};
+use mempool::{Allocator, AllocatorId, Kind, PoolId};
 
 use crate::comm::CommInner;
 use crate::error::{Error, Result};
@@ -56,7 +56,7 @@ impl Registrar for NcclRegistrar {
 /// Shared between a [`Registration`], its hook and its communicator.
 pub(crate) struct RegState {
     registrar: Arc<dyn Registrar>,
-    device: usize,
+    allocator: AllocatorId,
     pool: Option<PoolId>,
     /// Registered segments: address -> (size, handle).
     handles: HashMap<u64, (usize, u64)>,
@@ -106,7 +106,9 @@ impl RegState {
     }
 
     fn on_event(&mut self, e: &trace::TraceEntry) {
-        if e.device != self.device || self.pool.is_some_and(|p| p != e.pool) {
+        // The allocator, not the device index: a host or simulated allocator also calls itself
+        // device 0, and its memory must never reach NCCL.
+        if e.allocator != self.allocator || self.pool.is_some_and(|p| p != e.pool) {
             return;
         }
         match e.action {
@@ -145,7 +147,7 @@ impl Registration {
     ) -> Result<Registration> {
         let state = Arc::new(Mutex::new(RegState {
             registrar,
-            device: alloc.device(),
+            allocator: alloc.id(),
             pool,
             handles: HashMap::new(),
             freed_meanwhile: Some(HashSet::new()),

@@ -112,19 +112,22 @@ struct CheckedNccl {
     frees: Arc<Mutex<usize>>,
 }
 
-impl RawAllocator for CheckedNccl {
+// SAFETY: forwards to `NcclMemAllocator`, whose own `unsafe impl` holds; `free` passes the
+// caller's promise on unchanged.
+unsafe impl RawAllocator for CheckedNccl {
     fn name(&self) -> &str {
         "checked-ncclMemAlloc"
     }
     fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError> {
         self.inner.alloc(size, device, stream)
     }
-    fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError> {
         if let Some(r) = self.registration.get() {
             assert!(!r.segments().iter().any(|s| s.0 == ptr), "segment {ptr:#x} still registered at ncclMemFree");
         }
         *self.frees.lock().unwrap() += 1;
-        self.inner.free(ptr, size, device, stream)
+        // SAFETY: the caller's promise for this free is the inner allocator's.
+        unsafe { self.inner.free(ptr, size, device, stream) }
     }
     fn granularity(&self) -> usize {
         self.inner.granularity()
@@ -145,7 +148,7 @@ fn every_segment_is_deregistered_before_ncclmemfree_and_destroy_cleans_up() {
             registration: registration.clone(),
             frees: frees.clone(),
         };
-        let pool = MemPool::on(&alloc, PoolOptions::new().allocator(raw));
+        let pool = MemPool::on(&alloc, PoolOptions::new().allocator(raw)).unwrap();
         let a = filled(&pool, &stream, 1f32, 1 << 20);
         registration.set(comm.register_pool(&pool).unwrap()).ok();
         let b = filled(&pool, &stream, 1f32, 40 << 20);

@@ -58,7 +58,9 @@ struct Checked {
     frees: Arc<Mutex<Vec<u64>>>,
 }
 
-impl RawAllocator for Checked {
+// SAFETY: only ever used with simulated allocators, whose memory is never read or written;
+// the addresses it makes up are distinct, granularity-aligned ranges, each handed out once.
+unsafe impl RawAllocator for Checked {
     fn name(&self) -> &str {
         "checked"
     }
@@ -68,7 +70,7 @@ impl RawAllocator for Checked {
         *n += (size as u64).next_multiple_of(2 << 20);
         Ok(a)
     }
-    fn free(&self, ptr: u64, _: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, _: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
         for r in &self.registrars {
             assert!(!r.live().iter().any(|l| l.0 == ptr), "segment {ptr:#x} freed while still registered");
         }
@@ -84,7 +86,7 @@ fn setup(registrars: Vec<Recording>) -> (Allocator<Sim>, MemPool<Sim>, Arc<Mutex
     let a = Allocator::sim(SimDevice::new(1 << 30));
     let frees = Arc::default();
     let raw = Checked { next: Mutex::new(0), registrars, frees: Arc::clone(&frees) };
-    let pool = MemPool::on(&a, PoolOptions::new().allocator(raw));
+    let pool = MemPool::on(&a, PoolOptions::new().allocator(raw)).unwrap();
     (a, pool, frees)
 }
 
@@ -190,7 +192,7 @@ fn same_allocation_sequence_same_offsets_on_every_rank() {
     let offsets = |seed: u64, base: u64| {
         let a = Allocator::sim(SimDevice::new(1 << 38));
         let raw = Checked { next: Mutex::new(base), registrars: Vec::new(), frees: Arc::default() };
-        let pool = MemPool::on(&a, PoolOptions::new().allocator(raw));
+        let pool = MemPool::on(&a, PoolOptions::new().allocator(raw)).unwrap();
         let mut x = seed;
         let mut live = Vec::new();
         let mut out = Vec::new();

@@ -10,7 +10,7 @@ fn snapshot_reader_never_panics() {
     let iters: usize = std::env::var("MEMPOOL_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(5_000);
     mempool::record_history(1000);
     let a = Allocator::sim(SimDevice::new(1 << 30));
-    let p = MemPool::on(&a, PoolOptions::new());
+    let p = MemPool::on(&a, PoolOptions::new()).unwrap();
     let _x = a.alloc::<u8>(5000).unwrap();
     let _y = p.alloc::<u8>(3 << 20).unwrap();
     let good = a.snapshot().to_pickle();

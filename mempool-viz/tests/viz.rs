@@ -8,7 +8,7 @@ use mempool_viz::SnapshotView;
 fn summary_timeline_and_svg_of_a_mempool_snapshot() {
     mempool::record_history(10_000);
     let a = Allocator::sim(SimDevice::new(1 << 30));
-    let pool = MemPool::on(&a, PoolOptions::new());
+    let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
     let x = a.alloc::<u8>(3 << 20).unwrap(); // 20 MiB segment, 3 MiB used
     let y = pool.alloc::<u8>(1000).unwrap(); // 2 MiB small segment of the pool
     let z = a.alloc::<u8>(1 << 20).unwrap();

@@ -11,7 +11,7 @@ use crate::scope::{PoolScope, Scoped};
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a mempool pool",
     label = "expected a `MemPool` (or a reference, `Arc` or `Box` of one) here",
-    note = "make one with `MemPool::on(&allocator, PoolOptions::new())` or `MemPool::new()`"
+    note = "make one with `MemPool::on(&allocator, PoolOptions::new())?` or `MemPool::new()?`"
 )]
 pub trait AsPool {
     /// The pool's device kind.

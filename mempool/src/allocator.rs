@@ -2,19 +2,20 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaStream, ValidAsZeroBits};
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
 use crate::backend::sim::{SimDevice, SimStream};
-use crate::backend::{Backend, StreamId};
+use crate::backend::{Backend, Keep};
 use crate::buffer::Buffer;
-use crate::caching::{DeviceAllocator, PoolRef};
+use crate::caching::{DeviceAllocator, Request};
 use crate::config::Config;
+use crate::elem::AnyBitPattern;
 use crate::error::{Error, Result};
+use crate::id::{AllocatorId, PoolRef, StreamId, StreamKey, StreamRef};
 use crate::snapshot::Snapshot;
 use crate::stats::MemoryStats;
 use crate::stream::{self, StreamGuard};
@@ -33,15 +34,21 @@ pub trait Kind: sealed::Sealed + Sized + Send + Sync + 'static {
     type Ext: Send + Sync + 'static;
     #[doc(hidden)]
     type StreamCache: Default + Send + Sync + 'static;
+    /// The stream's identity for the allocator (unique for the life of the process) and its
+    /// device handle.
     #[doc(hidden)]
-    fn stream_id(s: &Self::Stream) -> StreamId;
+    fn stream_ref(s: &Self::Stream) -> StreamRef;
+    /// What keeps the stream alive while the allocator may still use its handle.
+    #[doc(hidden)]
+    fn keep(s: &Self::Stream) -> Option<Keep>;
     #[doc(hidden)]
     fn stream_device(s: &Self::Stream, allocator_device: usize) -> usize;
-    /// Called when a stream becomes current, so that `resolve` can find it later.
+    /// The stream object back from what the allocator holds.
     #[doc(hidden)]
-    fn register(_shared: &Shared<Self>, _s: &Self::Stream) {}
+    fn resolve(shared: &Shared<Self>, stream: StreamRef, keep: Option<Keep>) -> Self::Stream;
+    /// Orders the buffer's own stream after its uses elsewhere, before its block is freed.
     #[doc(hidden)]
-    fn resolve(shared: &Shared<Self>, id: StreamId) -> Self::Stream;
+    fn before_free(_cache: &Self::StreamCache) {}
 }
 
 /// NVIDIA GPUs through cudarc. Streams are cudarc's `Arc<CudaStream>`.
@@ -61,36 +68,55 @@ impl sealed::Sealed for Sim {}
 #[doc(hidden)]
 pub struct CudaExt {
     backend: Arc<CudaBackend>,
-    /// Streams made current through this allocator, by handle, so that a buffer can give cudarc
-    /// its stream without holding a reference count on the hot path.
-    streams: Mutex<HashMap<u64, Weak<CudaStream>>>,
+}
+
+/// The key of a CUDA stream object. Keyed by the `Arc`'s address, with a `Weak` that pins that
+/// allocation: while an entry exists no other stream can live at its address, so a stream
+/// found here is the very stream the key was made for. Entries of dead streams are pruned; a
+/// stream at a pruned address later gets a fresh key. (The handle cannot be the key: the
+/// driver gives a destroyed stream's handle to the next stream created.)
+fn cuda_stream_key(s: &Arc<CudaStream>) -> StreamKey {
+    type Registry = HashMap<usize, (Weak<CudaStream>, StreamKey)>;
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    let mut m = REGISTRY.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let addr = Arc::as_ptr(s) as usize;
+    if let Some((_, k)) = m.get(&addr) {
+        return *k;
+    }
+    if m.len() >= 64 && m.len().is_power_of_two() {
+        m.retain(|_, (w, _)| w.strong_count() > 0);
+    }
+    let k = StreamKey::fresh();
+    m.insert(addr, (Arc::downgrade(s), k));
+    k
 }
 
 impl Kind for Cuda {
     type Stream = Arc<CudaStream>;
     type Ext = CudaExt;
-    type StreamCache = OnceLock<Arc<CudaStream>>;
-    fn stream_id(s: &Arc<CudaStream>) -> StreamId {
-        StreamId(s.cu_stream() as u64)
+    type StreamCache = crate::buffer::CudaCache;
+    fn stream_ref(s: &Arc<CudaStream>) -> StreamRef {
+        if s.cu_stream().is_null() {
+            // The legacy default stream: one per context, never destroyed.
+            return StreamRef::DEFAULT;
+        }
+        StreamRef { key: cuda_stream_key(s), raw: StreamId(s.cu_stream() as u64) }
+    }
+    fn keep(s: &Arc<CudaStream>) -> Option<Keep> {
+        (!s.cu_stream().is_null()).then(|| s.clone() as Keep)
     }
     fn stream_device(s: &Arc<CudaStream>, _: usize) -> usize {
         s.context().ordinal()
     }
-    fn register(shared: &Shared<Cuda>, s: &Arc<CudaStream>) {
-        if !s.cu_stream().is_null() {
-            let mut m = shared.ext.streams.lock().unwrap_or_else(|p| p.into_inner());
-            m.retain(|_, w| w.strong_count() > 0);
-            m.insert(s.cu_stream() as u64, Arc::downgrade(s));
-        }
-    }
-    /// The stream with this handle; the device's default stream for 0, or if the stream was
-    /// dropped since it was made current.
-    fn resolve(shared: &Shared<Cuda>, id: StreamId) -> Arc<CudaStream> {
-        let m = shared.ext.streams.lock().unwrap_or_else(|p| p.into_inner());
-        match m.get(&id.0).and_then(Weak::upgrade) {
+    /// The stream object the keep-alive holds; the device's default stream without one.
+    fn resolve(shared: &Shared<Cuda>, _: StreamRef, keep: Option<Keep>) -> Arc<CudaStream> {
+        match keep.and_then(|k| k.downcast::<CudaStream>().ok()) {
             Some(s) => s,
             None => shared.ext.backend.context().default_stream(),
         }
+    }
+    fn before_free(cache: &crate::buffer::CudaCache) {
+        cache.before_free();
     }
 }
 
@@ -98,14 +124,18 @@ impl Kind for Host {
     type Stream = StreamId;
     type Ext = ();
     type StreamCache = ();
-    fn stream_id(s: &StreamId) -> StreamId {
-        *s
+    fn stream_ref(s: &StreamId) -> StreamRef {
+        // Host "streams" are names the caller picks; there is no device object behind them.
+        StreamRef { key: StreamKey(s.0), raw: *s }
+    }
+    fn keep(_: &StreamId) -> Option<Keep> {
+        None
     }
     fn stream_device(_: &StreamId, d: usize) -> usize {
         d
     }
-    fn resolve(_: &Shared<Host>, id: StreamId) -> StreamId {
-        id
+    fn resolve(_: &Shared<Host>, s: StreamRef, _: Option<Keep>) -> StreamId {
+        s.raw
     }
 }
 
@@ -113,20 +143,25 @@ impl Kind for Sim {
     type Stream = SimStream;
     type Ext = ();
     type StreamCache = ();
-    fn stream_id(s: &SimStream) -> StreamId {
-        s.id
+    fn stream_ref(s: &SimStream) -> StreamRef {
+        // A simulated device never reuses a stream id.
+        StreamRef { key: StreamKey(s.id.0), raw: s.id }
+    }
+    fn keep(_: &SimStream) -> Option<Keep> {
+        None
     }
     fn stream_device(s: &SimStream, _: usize) -> usize {
         s.device
     }
-    fn resolve(shared: &Shared<Sim>, id: StreamId) -> SimStream {
-        SimStream { device: shared.device, id }
+    fn resolve(shared: &Shared<Sim>, s: StreamRef, _: Option<Keep>) -> SimStream {
+        SimStream { device: shared.device, id: s.raw }
     }
 }
 
 #[doc(hidden)]
 pub struct Shared<K: Kind> {
     pub(crate) core: DeviceAllocator,
+    /// The allocator's id, as the key of this thread's current-stream and route entries.
     pub(crate) key: u32,
     pub(crate) device: usize,
     ext: K::Ext,
@@ -184,11 +219,10 @@ impl<K: Kind> fmt::Debug for Allocator<K> {
     }
 }
 
-static NEXT_KEY: AtomicU32 = AtomicU32::new(1);
-
 fn shared<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Shared<K> {
     let device = backend.device();
-    Shared { core: DeviceAllocator::new(backend, config), key: NEXT_KEY.fetch_add(1, Ordering::Relaxed), device, ext }
+    let id = AllocatorId::fresh();
+    Shared { core: DeviceAllocator::new(backend, config, id), key: id.0, device, ext }
 }
 
 /// `MEMPOOL_RECORD_HISTORY` and `MEMPOOL_SNAPSHOT_ON_OOM`, read when the first allocator is made.
@@ -244,7 +278,7 @@ impl Allocator<Cuda> {
         }
         let config = Config::from_env()?;
         let backend = Arc::new(CudaBackend::new(ordinal)?);
-        let ext = CudaExt { backend: backend.clone(), streams: Mutex::new(HashMap::new()) };
+        let ext = CudaExt { backend: backend.clone() };
         // Lives for the rest of the process, like the device itself.
         env_settings();
         let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
@@ -300,22 +334,28 @@ impl<K: Kind> Allocator<K> {
         self.shared.core.backend().kind()
     }
 
+    /// The allocator's id, as trace entries carry it.
+    pub fn id(&self) -> AllocatorId {
+        self.shared.core.id()
+    }
+
     /// This thread's current stream for this device (the default stream unless a
     /// [`StreamGuard`] says otherwise).
     pub fn current_stream(&self) -> K::Stream {
-        K::resolve(&self.shared, self.current_stream_id())
+        let key = self.shared.key;
+        K::resolve(&self.shared, stream::current(key), stream::current_keep(key))
     }
 
-    /// The id of this thread's current stream for this device.
+    /// The id (device handle) of this thread's current stream for this device.
     pub fn current_stream_id(&self) -> StreamId {
-        stream::current(self.shared.key)
+        stream::current(self.shared.key).raw
     }
 
-    /// Makes `stream` this thread's current stream for this device until the guard drops.
+    /// Makes `stream` this thread's current stream for this device until the guard drops (the
+    /// guard holds the stream alive).
     pub fn set_stream(&self, stream: &K::Stream) -> Result<StreamGuard> {
         self.check_device(stream, "set_stream")?;
-        K::register(&self.shared, stream);
-        Ok(StreamGuard::new(self.shared.key, K::stream_id(stream)))
+        Ok(StreamGuard::new(self.shared.key, K::stream_ref(stream), K::keep(stream)))
     }
 
     /// With `MEMPOOL_SNAPSHOT_ON_OOM=<path>`: writes a snapshot there before an out-of-memory
@@ -338,44 +378,68 @@ impl<K: Kind> Allocator<K> {
         Ok(())
     }
 
-    /// A buffer of `len` elements of `T` on the current stream; its contents are undefined.
+    /// A buffer of `len` elements of `T` on the current stream. Its contents are whatever the
+    /// memory held before (cached memory is reused as it is), which is why `T` must be valid at
+    /// every bit pattern ([`AnyBitPattern`]: integers, floats, arrays of them). For other types:
+    /// [`alloc_zeros`](Self::alloc_zeros), or the `unsafe` [`alloc_uninit`](Self::alloc_uninit).
     /// `len == 0` gives an empty buffer that holds no memory.
     ///
     /// Inside a [`MemPool::scope`](crate::MemPool::scope) of this thread on the current stream,
     /// the buffer comes from that pool (the innermost scope wins).
     #[inline]
-    pub fn alloc<T>(&self, len: usize) -> Result<Buffer<T, K>> {
+    pub fn alloc<T: AnyBitPattern>(&self, len: usize) -> Result<Buffer<T, K>> {
         let (stream, pool) = stream::current_with_pool(self.shared.key);
         self.alloc_at(len, stream, pool)
     }
 
-    /// Like [`alloc`](Self::alloc), filled with zero bytes (ordered on the current stream).
-    pub fn alloc_zeros<T>(&self, len: usize) -> Result<Buffer<T, K>> {
-        let b = self.alloc::<T>(len)?;
+    /// A buffer of `len` elements of any type `T`, holding whatever the memory held before.
+    ///
+    /// # Safety
+    /// The contents are not valid values of `T` in general: nothing may read them as `T` (a copy
+    /// to the host, a kernel that reads them) before they are written with valid values.
+    pub unsafe fn alloc_uninit<T>(&self, len: usize) -> Result<Buffer<T, K>> {
+        let (stream, pool) = stream::current_with_pool(self.shared.key);
+        self.alloc_at(len, stream, pool)
+    }
+
+    /// Like [`alloc`](Self::alloc), filled with zero bytes (ordered on the current stream), for
+    /// any type that is valid as all zeros (cudarc's `ValidAsZeroBits`: numbers, `bool`, arrays
+    /// and tuples of them).
+    pub fn alloc_zeros<T: ValidAsZeroBits>(&self, len: usize) -> Result<Buffer<T, K>> {
+        let (stream, pool) = stream::current_with_pool(self.shared.key);
+        let b = self.alloc_at::<T>(len, stream, pool)?;
+        self.zero(&b)?;
+        Ok(b)
+    }
+
+    /// Zero-fills a buffer just allocated, on its stream.
+    pub(crate) fn zero<T>(&self, b: &Buffer<T, K>) -> Result<()> {
         if b.num_bytes() > 0 {
-            let stream = b.stream_id();
-            self.shared
-                .core
-                .backend()
-                .zero(b.device_ptr_raw(), b.num_bytes(), stream)
+            // SAFETY: the range is exactly the buffer's, inside one live segment of this
+            // allocator's backend (a pool allocator's segments are promised to be memory of this
+            // device by its `unsafe impl`), owned by the buffer, which nothing else references
+            // yet; its stream is alive: the buffer's segment holds it.
+            unsafe { self.shared.core.backend().zero(b.device_ptr_raw(), b.num_bytes(), b.stream_id()) }
                 .map_err(|e| Error::Backend { op: "zero fill", message: e.to_string() })?;
         }
-        Ok(b)
+        Ok(())
     }
 
     /// A buffer from `pool` on the current stream, whatever the scopes say.
     pub(crate) fn alloc_in<T>(&self, len: usize, pool: PoolRef) -> Result<Buffer<T, K>> {
-        self.alloc_at(len, self.current_stream_id(), pool)
+        self.alloc_at(len, stream::current(self.shared.key), pool)
     }
 
     #[inline]
-    fn alloc_at<T>(&self, len: usize, stream: StreamId, pool: PoolRef) -> Result<Buffer<T, K>> {
+    fn alloc_at<T>(&self, len: usize, stream: StreamRef, pool: PoolRef) -> Result<Buffer<T, K>> {
         let elem = std::mem::size_of::<T>();
         let bytes = len.checked_mul(elem).ok_or(Error::SizeOverflow { len, elem_size: elem })?;
         if bytes == 0 {
             return Ok(Buffer::empty(self.shared.clone(), len, stream));
         }
-        match self.shared.core.malloc(bytes, stream, pool) {
+        let key = self.shared.key;
+        let req = Request { size: bytes, stream, pool, keep: &|| stream::current_keep(key) };
+        match self.shared.core.malloc(&req) {
             Ok(a) => Ok(Buffer::new(self.shared.clone(), a, len, stream)),
             Err(e) => Err(self.on_error(e)),
         }
@@ -385,13 +449,21 @@ impl<K: Kind> Allocator<K> {
     /// device address for FFI; give it back with
     /// [`free_bytes`](Self::free_bytes). `size == 0` returns 0.
     pub fn alloc_bytes(&self, size: usize) -> Result<u64> {
-        let (stream, pool) = stream::current_with_pool(self.shared.key);
-        self.shared.core.malloc_raw(size, stream, pool).map_err(|e| self.on_error(e))
+        if size == 0 {
+            return Ok(0);
+        }
+        let key = self.shared.key;
+        let (stream, pool) = stream::current_with_pool(key);
+        let req = Request { size, stream, pool, keep: &|| stream::current_keep(key) };
+        self.shared.core.malloc_raw(&req).map_err(|e| self.on_error(e))
     }
 
     /// Gives back an address from [`alloc_bytes`](Self::alloc_bytes). A foreign or already freed
     /// address is [`Error::InvalidFree`] and changes nothing; 0 is ignored.
     pub fn free_bytes(&self, ptr: u64) -> Result<()> {
+        if ptr == 0 {
+            return Ok(());
+        }
         self.shared.core.free_raw(ptr)
     }
 
@@ -400,7 +472,7 @@ impl<K: Kind> Allocator<K> {
     pub fn record_stream_bytes(&self, ptr: u64, stream: &K::Stream) -> Result<()> {
         self.check_device(stream, "record_stream_bytes")?;
         let block = self.shared.core.raw_block(ptr).ok_or(Error::InvalidFree { ptr, device: self.shared.device })?;
-        self.shared.core.record_stream(block, K::stream_id(stream));
+        self.shared.core.record_stream(block, K::stream_ref(stream), K::keep(stream));
         Ok(())
     }
 

@@ -2,16 +2,16 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop};
+use cudarc::driver::{
+    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop,
+};
 
 use crate::allocator::{Cuda, Handle, Kind};
-use crate::backend::StreamId;
-use crate::caching::Allocation;
+use crate::caching::{Allocation, BlockIdx};
 use crate::error::Result;
-
-const NO_BLOCK: u32 = u32::MAX;
+use crate::id::{StreamId, StreamRef};
 
 /// `len` elements of `T` in device memory, owned. Dropping it gives the block back to its pool
 /// (never panicking); the memory is reused by allocations on the same stream, and by others only
@@ -19,9 +19,12 @@ const NO_BLOCK: u32 = u32::MAX;
 ///
 /// CUDA buffers (`Buffer<T>`, i.e. `Buffer<T, Cuda>`) implement cudarc's [`DeviceSlice`],
 /// [`DevicePtr`] and [`DevicePtrMut`], so they go wherever a `CudaSlice` goes: `memcpy_htod`,
-/// `memcpy_dtoh`, `launch_builder(..).arg(&buf)`, NCCL. Passing one to a cudarc copy on another
-/// stream than its own records that stream automatically; for a kernel launched on another stream,
-/// call [`record_stream`](Buffer::record_stream) (cudarc does not tell a kernel argument its stream).
+/// `memcpy_dtoh`, `launch_builder(..).arg(&buf)`, NCCL. A cudarc copy on another stream than the
+/// buffer's own is ordered as cudarc orders its own slices: it waits for the work queued on the
+/// buffer's stream so far (a fresh `alloc_zeros` fill included), and the buffer's stream waits
+/// for the copy before the buffer's next use or its reuse. For a kernel launched on another
+/// stream, call [`record_stream`](Buffer::record_stream) (cudarc does not tell a kernel argument
+/// its stream; the launch is `unsafe` for that reason).
 ///
 /// ```no_run
 /// let alloc = mempool::Allocator::cuda(0)?;
@@ -34,20 +37,21 @@ const NO_BLOCK: u32 = u32::MAX;
 /// ```
 pub struct Buffer<T, K: Kind = Cuda> {
     shared: Handle<K>,
-    block: u32,
+    block: Option<BlockIdx>,
     ptr: u64,
     len: usize,
-    stream: StreamId,
-    /// cudarc's `Arc<CudaStream>` for [`DeviceSlice::stream`], found on first use.
+    stream: StreamRef,
+    /// cudarc's `Arc<CudaStream>` for [`DeviceSlice::stream`] and the event of the last use on
+    /// another stream (CUDA only).
     stream_cache: K::StreamCache,
     _elem: PhantomData<T>,
 }
 
 impl<T, K: Kind> Buffer<T, K> {
-    pub(crate) fn new(shared: Handle<K>, a: Allocation, len: usize, stream: StreamId) -> Self {
+    pub(crate) fn new(shared: Handle<K>, a: Allocation, len: usize, stream: StreamRef) -> Self {
         Buffer {
             shared,
-            block: a.block,
+            block: Some(a.block),
             ptr: a.addr,
             len,
             stream,
@@ -56,8 +60,8 @@ impl<T, K: Kind> Buffer<T, K> {
         }
     }
 
-    pub(crate) fn empty(shared: Handle<K>, len: usize, stream: StreamId) -> Self {
-        Buffer { shared, block: NO_BLOCK, ptr: 0, len, stream, stream_cache: Default::default(), _elem: PhantomData }
+    pub(crate) fn empty(shared: Handle<K>, len: usize, stream: StreamRef) -> Self {
+        Buffer { shared, block: None, ptr: 0, len, stream, stream_cache: Default::default(), _elem: PhantomData }
     }
 
     /// Number of elements.
@@ -80,9 +84,9 @@ impl<T, K: Kind> Buffer<T, K> {
         self.ptr
     }
 
-    /// The id of the stream it was allocated on.
+    /// The id (device handle) of the stream it was allocated on.
     pub fn stream_id(&self) -> StreamId {
-        self.stream
+        self.stream.raw
     }
 
     /// The device index.
@@ -92,31 +96,25 @@ impl<T, K: Kind> Buffer<T, K> {
 
     /// Notes that `stream` uses this buffer: when it is dropped, its memory is reused only after
     /// the work queued on `stream` until then has completed (`Tensor.record_stream`). The
-    /// buffer's own stream needs no recording. A stream of another device is an error.
-    ///
-    /// As with PyTorch, a recorded stream must still exist when the buffer is dropped (that is
-    /// when its event is recorded); if it does not, the block is held back and the error is
-    /// reported by the allocator's next call.
+    /// buffer's own stream needs no recording. A stream of another device is an error. The
+    /// buffer holds `stream` alive until then.
     pub fn record_stream(&self, stream: &K::Stream) -> Result<()> {
         let found = K::stream_device(stream, self.shared.device);
         if found != self.shared.device {
             return Err(crate::Error::WrongDevice { what: "record_stream", expected: self.shared.device, found });
         }
-        self.note_use(K::stream_id(stream));
-        Ok(())
-    }
-
-    fn note_use(&self, stream: crate::StreamId) {
-        if self.block != NO_BLOCK {
-            self.shared.core.record_stream(self.block, stream);
+        if let Some(b) = self.block {
+            self.shared.core.record_stream(b, K::stream_ref(stream), K::keep(stream));
         }
+        Ok(())
     }
 }
 
 impl<T, K: Kind> Drop for Buffer<T, K> {
     fn drop(&mut self) {
-        if self.block != NO_BLOCK {
-            self.shared.core.free(self.block);
+        if let Some(b) = self.block {
+            K::before_free(&self.stream_cache);
+            self.shared.core.free(b);
         }
     }
 }
@@ -132,11 +130,68 @@ impl<T, K: Kind> fmt::Debug for Buffer<T, K> {
     }
 }
 
+/// A CUDA buffer's lazily found stream, and the event of its last use on another stream.
+#[doc(hidden)]
+#[derive(Default)]
+pub struct CudaCache {
+    stream: OnceLock<Arc<CudaStream>>,
+    /// Recorded (by cudarc, when the borrow ends) on the other stream after each use there; the
+    /// buffer's own stream waits on it before its next use and before the block is freed.
+    foreign: OnceLock<Option<CudaEvent>>,
+}
+
+impl fmt::Debug for CudaCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaCache").finish_non_exhaustive()
+    }
+}
+
+impl CudaCache {
+    /// The buffer's stream waits for its last use elsewhere: its block is reused in that
+    /// stream's order.
+    pub(crate) fn before_free(&self) {
+        if let Some(own) = self.stream.get() {
+            self.wait_foreign(own);
+        }
+    }
+
+    /// Makes `own` wait for the last use on another stream, if there was one.
+    fn wait_foreign(&self, own: &CudaStream) {
+        if let Some(Some(ev)) = self.foreign.get() {
+            if own.wait(ev).is_err() {
+                // Could not order it on the device: wait on the host instead.
+                let _ = ev.synchronize();
+            }
+        }
+    }
+}
+
 impl<T> Buffer<T, Cuda> {
-    fn use_on(&self, stream: &CudaStream) {
-        let id = StreamId(stream.cu_stream() as u64);
-        if id != self.stream && stream.context().ordinal() == self.shared.device {
-            self.note_use(id);
+    /// Orders a use on `stream`: after the work queued on the buffer's stream so far, and, for
+    /// another stream, with the buffer's stream waiting for it afterwards (the returned guard
+    /// records the use when cudarc's borrow ends).
+    fn use_on<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
+        if self.block.is_none() {
+            return SyncOnDrop::Sync(None);
+        }
+        let own = DeviceSlice::stream(self);
+        let cache = &self.stream_cache;
+        cache.wait_foreign(own);
+        if stream.cu_stream() == own.cu_stream() && stream.context() == own.context() {
+            return SyncOnDrop::Sync(None);
+        }
+        // The other stream starts after what the buffer's stream has queued (its zero fill, the
+        // writes before this use)...
+        if stream.join(own).is_err() {
+            let _ = own.synchronize();
+        }
+        // ...and the buffer's stream will wait for this use, through the event cudarc records on
+        // `stream` when the borrow ends. Without an event (or when the context does not let
+        // cudarc record it), the use is waited for on the host right after it is queued.
+        let ev = cache.foreign.get_or_init(|| own.context().new_event(None).ok());
+        match ev {
+            Some(ev) if stream.context().is_managing_stream_synchronization() => SyncOnDrop::Record(Some((ev, stream))),
+            _ => SyncOnDrop::Sync(Some(stream)),
         }
     }
 }
@@ -146,27 +201,26 @@ impl<T> DeviceSlice<T> for Buffer<T, Cuda> {
         self.len
     }
 
-    /// The stream the buffer was allocated on (the device's default stream if that stream has
-    /// been dropped since).
+    /// The stream the buffer was allocated on.
     fn stream(&self) -> &Arc<CudaStream> {
-        self.stream_cache.get_or_init(|| Cuda::resolve(&self.shared, self.stream))
+        self.stream_cache.stream.get_or_init(|| {
+            let keep = self.block.and_then(|b| self.shared.core.stream_keep(b));
+            Cuda::resolve(&self.shared, self.stream, keep)
+        })
     }
 }
 
 impl<T> DevicePtr<T> for Buffer<T, Cuda> {
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        self.use_on(stream);
-        (self.ptr, SyncOnDrop::Sync(None))
+        (self.ptr, self.use_on(stream))
     }
 }
 
 impl<T> DevicePtrMut<T> for Buffer<T, Cuda> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
-        self.use_on(stream);
-        (self.ptr, SyncOnDrop::Sync(None))
+        (self.ptr, self.use_on(stream))
     }
 }
-
 // SAFETY: the kernel receives the buffer's device address, read from `self.ptr`, which lives as
 // long as the borrow `'b` that `LaunchArgs` is tied to; the buffer owns that memory until it is
 // dropped, which the borrow prevents while the arguments exist. cudarc does not tell an argument

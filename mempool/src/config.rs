@@ -20,14 +20,16 @@
 //! # Ok::<(), mempool::Error>(())
 //! ```
 
-use crate::caching::rounding::{LARGE_BUFFER, POWER2_INTERVALS};
 use crate::error::{Error, Result};
+use crate::rules::{divisions_index, LARGE_BUFFER, POWER2_INTERVALS};
 
 /// The environment variable read by the process-wide CUDA allocators.
 pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
 
 const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions";
 const MIB: usize = 1 << 20;
+/// The most round-up divisions per power of two (steps of 1 KiB at 1 MiB).
+const MAX_DIVISIONS: usize = 1 << 10;
 
 /// Allocator settings. `Config::default()` is PyTorch's default behaviour.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,9 +107,7 @@ impl Config {
 
     /// The divisions that apply to a request of `size` bytes.
     pub(crate) fn divisions_for(&self, size: usize) -> usize {
-        let log = usize::BITS as usize - 1 - size.max(1).leading_zeros() as usize;
-        let index = log.saturating_sub(20).min(POWER2_INTERVALS - 1);
-        self.roundup_power2_divisions[index]
+        self.roundup_power2_divisions[divisions_index(size)]
     }
 }
 
@@ -158,6 +158,12 @@ impl ConfigBuilder {
         for (start, d) in entries {
             if d > 1 && !d.is_power_of_two() {
                 return self.fail(format!("roundup_power2_divisions must be a power of two (got {d})"));
+            }
+            if d > MAX_DIVISIONS {
+                return self.fail(format!(
+                    "roundup_power2_divisions must be at most {MAX_DIVISIONS} (got {d}): finer steps than \
+                     1/{MAX_DIVISIONS} of a power of two round nothing"
+                ));
             }
             match start {
                 Some(mb) if !mb.is_power_of_two() => {
@@ -285,6 +291,11 @@ mod tests {
         assert!(e.contains("power of two"), "{e}");
         let e = Config::parse("roundup_power2_divisions:[1:2").unwrap_err().to_string();
         assert!(e.contains("roundup_power2_divisions"), "{e}");
+        // A huge power of two used to parse, then overflow every allocation.
+        let e = Config::parse("roundup_power2_divisions:4611686018427387904").unwrap_err().to_string();
+        assert!(e.contains("at most 1024"), "{e}");
+        let e = Config::parse("roundup_power2_divisions:[1:2048,>:2]").unwrap_err().to_string();
+        assert!(e.contains("at most 1024"), "{e}");
         let e = Config::parse("max_split_size_mb").unwrap_err().to_string();
         assert!(e.contains("key:value"), "{e}");
     }

@@ -88,22 +88,6 @@ pub struct OomReport {
     pub pool: Option<(u64, String)>,
 }
 
-impl OomReport {
-    pub(crate) fn empty() -> OomReport {
-        OomReport {
-            device: 0,
-            backend: "",
-            requested: 0,
-            device_total: None,
-            device_free: None,
-            allocated: 0,
-            reserved: 0,
-            limit: None,
-            pool: None,
-        }
-    }
-}
-
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} out of memory. Tried to allocate {}", self.backend, bytes(self.requested))?;

@@ -37,10 +37,13 @@ pub mod backend;
 pub mod buffer;
 mod caching;
 pub mod config;
+mod elem;
 pub mod error;
 pub mod format;
+mod id;
 pub mod pool;
 pub mod replay;
+pub mod rules;
 pub mod scope;
 pub mod snapshot;
 pub mod stats;
@@ -48,12 +51,13 @@ pub mod stream;
 pub mod trace;
 
 pub use allocator::{Allocator, Cuda, Host, Kind, Sim};
-pub use backend::{sim, Backend, BackendError, EventId, StreamId};
+pub use backend::{sim, Backend, BackendError, RawAllocator};
 pub use buffer::Buffer;
-pub use caching::PoolId;
 pub use config::Config;
+pub use elem::AnyBitPattern;
 pub use error::{Error, OomReport, Result};
-pub use pool::{MemPool, PoolOptions, RawAllocator};
+pub use id::{AllocatorId, EventId, PoolId, StreamId};
+pub use pool::{MemPool, PoolOptions};
 pub use scope::{PoolScope, ScopeHandle, Scoped};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 pub use stats::{MemoryStats, PoolStats, Stat, StatArray};
@@ -95,13 +99,13 @@ pub fn device_count() -> Result<usize> {
     backend::cuda::device_count()
 }
 
-/// `len` elements of `T` on the current device and stream.
-pub fn alloc<T>(len: usize) -> Result<Buffer<T>> {
+/// `len` elements of `T` on the current device and stream (see [`Allocator::alloc`]).
+pub fn alloc<T: AnyBitPattern>(len: usize) -> Result<Buffer<T>> {
     Allocator::cuda(current_device())?.alloc(len)
 }
 
 /// `len` zeroed elements of `T` on the current device and stream.
-pub fn alloc_zeros<T>(len: usize) -> Result<Buffer<T>> {
+pub fn alloc_zeros<T: cudarc::driver::ValidAsZeroBits>(len: usize) -> Result<Buffer<T>> {
     Allocator::cuda(current_device())?.alloc_zeros(len)
 }
 

@@ -5,7 +5,7 @@
 //! ```
 //! use mempool::{Allocator, MemPool, PoolOptions, sim::SimDevice};
 //! let alloc = Allocator::sim(SimDevice::new(256 << 20));
-//! let pool = MemPool::on(&alloc, PoolOptions::new());
+//! let pool = MemPool::on(&alloc, PoolOptions::new())?;
 //! let inside = {
 //!     let _scope = pool.scope();             // this thread, current stream: into `pool`
 //!     alloc.alloc::<f32>(1024)?
@@ -17,38 +17,17 @@
 //! ```
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::allocator::{Allocator, Cuda, Kind};
-use crate::backend::{BackendError, StreamId};
+pub use crate::backend::RawAllocator;
 use crate::buffer::Buffer;
-use crate::caching::{PoolId, PoolSpec};
-use crate::error::Result;
+use crate::caching::PoolSpec;
+use crate::elem::AnyBitPattern;
+use crate::error::{Error, Result};
+use crate::id::{PoolId, PoolRef};
 use crate::snapshot::Snapshot;
 use crate::stats::PoolStats;
-
-/// Where a pool's segments come from: your own alloc/free functions.
-///
-/// `alloc` returns a device address of `size` bytes (a multiple of [`granularity`]), aligned to
-/// the granularity; 0 or `Err(BackendError::OutOfMemory)` means there is no memory. `free` gets
-/// back exactly what `alloc` gave, once, with the same size. Both are called with the device's
-/// allocator locked: keep them short and never call mempool from them.
-///
-/// [`granularity`]: RawAllocator::granularity
-pub trait RawAllocator: Send + Sync + 'static {
-    /// A name for reports and errors.
-    fn name(&self) -> &str;
-    /// A new segment of `size` bytes for `stream` of `device`.
-    fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError>;
-    /// Gives a segment back.
-    fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError>;
-    /// Segment sizes are multiples of this, and addresses must be aligned to it (a power of two,
-    /// at least 512). NCCL/NVLS buffers want the multicast granularity, typically 2 MiB.
-    fn granularity(&self) -> usize {
-        512
-    }
-}
 
 /// How a pool carves its memory. `PoolOptions::new()`: device memory, PyTorch's rules.
 #[derive(Clone, Default)]
@@ -103,25 +82,25 @@ impl PoolOptions {
         self
     }
 
-    /// Segment sizes rounded up to a multiple of `bytes` (a power of two), on top of what the
-    /// allocator asks for.
+    /// Segment sizes rounded up to a multiple of `bytes` (a power of two, at most 1 TiB; a
+    /// bad value is refused by [`MemPool::on`]), on top of what the allocator asks for.
     pub fn granularity(mut self, bytes: usize) -> PoolOptions {
         self.granularity = Some(bytes);
         self
     }
 }
 
-static NEXT_POOL: AtomicU64 = AtomicU64::new(1);
+/// The largest segment granularity a pool takes.
+const MAX_GRANULARITY: usize = 1 << 40;
 
 pub(crate) struct PoolInner<K: Kind> {
     pub(crate) alloc: Allocator<K>,
-    pub(crate) id: PoolId,
-    pub(crate) slot: u32,
+    pub(crate) pool: PoolRef,
 }
 
 impl<K: Kind> Drop for PoolInner<K> {
     fn drop(&mut self) {
-        self.alloc.shared.core.release_pool(self.slot);
+        self.alloc.shared.core.release_pool(self.pool);
     }
 }
 
@@ -140,28 +119,37 @@ impl<K: Kind> Clone for MemPool<K> {
 
 impl<K: Kind> fmt::Debug for MemPool<K> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemPool").field("id", &self.inner.id.0).field("device", &self.device()).finish()
+        f.debug_struct("MemPool").field("id", &self.inner.pool.id.0).field("device", &self.device()).finish()
     }
 }
 
 impl MemPool<Cuda> {
     /// A private pool on device memory of the current CUDA device.
     pub fn new() -> Result<MemPool<Cuda>> {
-        Ok(MemPool::on(&Allocator::cuda(crate::current_device())?, PoolOptions::new()))
+        MemPool::on(&Allocator::cuda(crate::current_device())?, PoolOptions::new())
     }
 
     /// A pool on the current CUDA device whose segments come from `a`.
     pub fn with_allocator(a: impl RawAllocator) -> Result<MemPool<Cuda>> {
-        Ok(MemPool::on(&Allocator::cuda(crate::current_device())?, PoolOptions::new().allocator(a)))
+        MemPool::on(&Allocator::cuda(crate::current_device())?, PoolOptions::new().allocator(a))
     }
 }
 
 impl<K: Kind> MemPool<K> {
-    /// A pool of `alloc`'s device with these options.
-    pub fn on(alloc: &Allocator<K>, options: PoolOptions) -> MemPool<K> {
-        let id = PoolId(NEXT_POOL.fetch_add(1, Ordering::Relaxed));
+    /// A pool of `alloc`'s device with these options. Errors: a granularity (of the options or
+    /// of the pool's allocator) that is not a power of two of at most 1 TiB ([`Error::Config`]).
+    pub fn on(alloc: &Allocator<K>, options: PoolOptions) -> Result<MemPool<K>> {
         let raw_gran = options.allocator.as_ref().map_or(512, |a| a.granularity());
-        let granularity = options.granularity.unwrap_or(512).max(raw_gran).max(512).next_power_of_two();
+        let asked = options.granularity.unwrap_or(512);
+        for (what, g) in [("PoolOptions::granularity", asked), ("RawAllocator::granularity", raw_gran)] {
+            if !g.is_power_of_two() || g > MAX_GRANULARITY {
+                return Err(Error::Config(format!(
+                    "{what} is {g}: a segment granularity must be a power of two of at most 1 TiB"
+                )));
+            }
+        }
+        let granularity = asked.max(raw_gran).max(512);
+        let id = PoolId::fresh();
         let name =
             options.allocator.as_ref().map_or_else(|| alloc.backend_kind().to_string(), |a| a.name().to_string());
         let spec = PoolSpec {
@@ -172,13 +160,13 @@ impl<K: Kind> MemPool<K> {
             granularity,
             name,
         };
-        let slot = alloc.shared.core.register_pool(spec);
-        MemPool { inner: Arc::new(PoolInner { alloc: alloc.clone(), id, slot }) }
+        let pool = alloc.shared.core.register_pool(spec);
+        Ok(MemPool { inner: Arc::new(PoolInner { alloc: alloc.clone(), pool }) })
     }
 
     /// The pool's id (as in snapshots and trace entries).
     pub fn id(&self) -> PoolId {
-        self.inner.id
+        self.inner.pool.id
     }
 
     /// The device index.
@@ -196,30 +184,38 @@ impl<K: Kind> MemPool<K> {
         Arc::strong_count(&self.inner)
     }
 
-    /// A buffer from this pool on the current stream, without a scope.
-    pub fn alloc<T>(&self, len: usize) -> Result<Buffer<T, K>> {
+    /// A buffer from this pool on the current stream, without a scope (contents as for
+    /// [`Allocator::alloc`]).
+    pub fn alloc<T: AnyBitPattern>(&self, len: usize) -> Result<Buffer<T, K>> {
         self.inner.alloc.alloc_in(len, self.pool_ref())
     }
 
-    pub(crate) fn pool_ref(&self) -> crate::caching::PoolRef {
-        crate::caching::PoolRef { id: self.inner.id, slot: self.inner.slot }
+    /// Like [`alloc`](Self::alloc), zero-filled on the current stream.
+    pub fn alloc_zeros<T: cudarc::driver::ValidAsZeroBits>(&self, len: usize) -> Result<Buffer<T, K>> {
+        let b = self.inner.alloc.alloc_in::<T>(len, self.pool_ref())?;
+        self.inner.alloc.zero(&b)?;
+        Ok(b)
+    }
+
+    pub(crate) fn pool_ref(&self) -> PoolRef {
+        self.inner.pool
     }
 
     /// This pool's statistics (the device's [`memory_stats`](Allocator::memory_stats) include it).
     pub fn memory_stats(&self) -> PoolStats {
-        self.inner.alloc.shared.core.pool_stats(self.inner.slot)
+        self.inner.alloc.shared.core.pool_stats(self.inner.pool)
     }
 
     /// This pool's segments.
     pub fn snapshot(&self) -> Snapshot {
         let mut s = self.inner.alloc.snapshot();
-        s.segments.retain(|seg| seg.pool == self.inner.id);
-        s.trace.retain(|e| e.pool == self.inner.id);
+        s.segments.retain(|seg| seg.pool == self.inner.pool.id);
+        s.trace.retain(|e| e.pool == self.inner.pool.id);
         s
     }
 
     /// Gives this pool's wholly free segments back through its free function.
     pub fn empty_cache(&self) -> Result<()> {
-        self.inner.alloc.shared.core.empty_pool_cache(self.inner.slot)
+        self.inner.alloc.shared.core.empty_pool_cache(self.inner.pool)
     }
 }

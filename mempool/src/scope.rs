@@ -11,7 +11,7 @@
 //! ```
 //! use mempool::{Allocator, MemPool, PoolOptions, sim::SimDevice};
 //! let alloc = Allocator::sim(SimDevice::new(256 << 20));
-//! let (a, b) = (MemPool::on(&alloc, PoolOptions::new()), MemPool::on(&alloc, PoolOptions::new()));
+//! let (a, b) = (MemPool::on(&alloc, PoolOptions::new())?, MemPool::on(&alloc, PoolOptions::new())?);
 //! let _outer = a.scope();
 //! {
 //!     let _inner = b.scope();
@@ -29,8 +29,8 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use crate::allocator::Kind;
-use crate::backend::StreamId;
 use crate::error::{Error, Result};
+use crate::id::StreamKey;
 use crate::pool::MemPool;
 use crate::stream;
 
@@ -45,7 +45,7 @@ pub struct PoolScope<'a> {
 }
 
 impl PoolScope<'_> {
-    fn begin<K: Kind>(pool: &MemPool<K>, stream: StreamId) -> Self {
+    fn begin<K: Kind>(pool: &MemPool<K>, stream: StreamKey) -> Self {
         let id = stream::begin_route(pool.inner.alloc.shared.key, stream, pool.pool_ref());
         PoolScope { id, _pool: PhantomData, _not_send: PhantomData }
     }
@@ -67,7 +67,7 @@ impl<K: Kind> MemPool<K> {
     /// Routes this thread's allocations on the current stream of the pool's device to this pool
     /// until the guard is dropped (PyTorch's `use_mem_pool`).
     pub fn scope(&self) -> PoolScope<'_> {
-        PoolScope::begin(self, self.inner.alloc.current_stream_id())
+        PoolScope::begin(self, self.current_stream_key())
     }
 
     /// Like [`scope`](Self::scope), for allocations on `stream`. A stream of another device than
@@ -77,20 +77,19 @@ impl<K: Kind> MemPool<K> {
         if found != self.device() {
             return Err(Error::WrongDevice { what: "MemPool::scope_on", expected: self.device(), found });
         }
-        K::register(&self.inner.alloc.shared, stream);
-        Ok(PoolScope::begin(self, K::stream_id(stream)))
+        Ok(PoolScope::begin(self, K::stream_ref(stream).key))
     }
 
     /// A `Send` handle routing to this pool, on the current stream of this thread (as it is now),
     /// for another thread to [`enter`](ScopeHandle::enter).
     pub fn scope_handle(&self) -> ScopeHandle<K> {
-        ScopeHandle { pool: self.clone(), stream: self.inner.alloc.current_stream_id() }
+        ScopeHandle { pool: self.clone(), stream: self.current_stream_key() }
     }
 
     /// Wraps `fut` so that, each time it is polled, this thread's allocations on the current
     /// stream (as it is now) go to this pool, and only then.
     pub fn scoped<F: Future>(&self, fut: F) -> Scoped<K, F> {
-        Scoped { pool: self.clone(), stream: self.inner.alloc.current_stream_id(), fut: Box::pin(fut) }
+        Scoped { pool: self.clone(), stream: self.current_stream_key(), fut: Box::pin(fut) }
     }
 
     /// Like [`scoped`](Self::scoped), for allocations on `stream` (an error if it belongs to
@@ -100,8 +99,11 @@ impl<K: Kind> MemPool<K> {
         if found != self.device() {
             return Err(Error::WrongDevice { what: "MemPool::scoped_on", expected: self.device(), found });
         }
-        K::register(&self.inner.alloc.shared, stream);
-        Ok(Scoped { pool: self.clone(), stream: K::stream_id(stream), fut: Box::pin(fut) })
+        Ok(Scoped { pool: self.clone(), stream: K::stream_ref(stream).key, fut: Box::pin(fut) })
+    }
+
+    fn current_stream_key(&self) -> StreamKey {
+        crate::stream::current(self.inner.alloc.shared.key).key
     }
 }
 
@@ -110,7 +112,7 @@ impl<K: Kind> MemPool<K> {
 #[derive(Clone)]
 pub struct ScopeHandle<K: Kind> {
     pool: MemPool<K>,
-    stream: StreamId,
+    stream: StreamKey,
 }
 
 impl<K: Kind> ScopeHandle<K> {
@@ -135,7 +137,7 @@ impl<K: Kind> std::fmt::Debug for ScopeHandle<K> {
 #[must_use = "futures do nothing unless polled"]
 pub struct Scoped<K: Kind, F> {
     pool: MemPool<K>,
-    stream: StreamId,
+    stream: StreamKey,
     fut: Pin<Box<F>>,
 }
 

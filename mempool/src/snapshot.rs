@@ -5,9 +5,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::backend::StreamId;
-use crate::caching::PoolId;
 use crate::error::{Error, Result};
+use crate::id::PoolId;
+use crate::id::StreamId;
 use crate::trace::TraceEntry;
 
 /// The state of one block.

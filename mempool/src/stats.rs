@@ -190,6 +190,112 @@ pub(crate) struct Counters {
     pub(crate) oversize_segments: Tally,
 }
 
+/// What each allocator event changes, in one place: the caching algorithm calls these and
+/// touches no counter itself.
+impl Counters {
+    /// A block of `size` bytes (`requested` asked for) handed out.
+    #[inline(always)]
+    pub(crate) fn on_alloc(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
+        self.allocation.add(small, 1);
+        self.allocated_bytes.add(small, size);
+        self.active.add(small, 1);
+        self.active_bytes.add(small, size);
+        self.requested_bytes.add(small, requested);
+        if oversize {
+            self.oversize_allocations.add(false, 1);
+        }
+    }
+
+    /// Its owner freed a block; it stays active until it is back in its free set.
+    #[inline(always)]
+    pub(crate) fn on_free_requested(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
+        self.allocation.sub(small, 1);
+        self.allocated_bytes.sub(small, size);
+        self.requested_bytes.sub(small, requested);
+        if oversize {
+            self.oversize_allocations.sub(false, 1);
+        }
+    }
+
+    /// A freed block is back in its free set (every stream that used it is done).
+    #[inline(always)]
+    pub(crate) fn on_free_completed(&mut self, small: bool, size: usize) {
+        self.active.sub(small, 1);
+        self.active_bytes.sub(small, size);
+    }
+
+    /// A free block of a split segment entered (`add`) or left the inactive-split counts.
+    #[inline(always)]
+    pub(crate) fn on_inactive_split(&mut self, small: bool, size: usize, add: bool) {
+        if add {
+            self.inactive_split.add(small, 1);
+            self.inactive_split_bytes.add(small, size);
+        } else {
+            self.inactive_split.sub(small, 1);
+            self.inactive_split_bytes.sub(small, size);
+        }
+    }
+
+    /// A segment obtained from the device (`added`) or given back; `device_call` is false when
+    /// a segment whose free failed is counted back in.
+    pub(crate) fn on_segment(&mut self, small: bool, size: usize, oversize: bool, added: bool, device_call: bool) {
+        if added {
+            self.segment.add(small, 1);
+            self.reserved_bytes.add(small, size);
+            if oversize {
+                self.oversize_segments.add(false, 1);
+            }
+            if device_call {
+                self.num_device_alloc += 1;
+            } else {
+                self.num_device_free -= 1;
+            }
+        } else {
+            self.segment.sub(small, 1);
+            self.reserved_bytes.sub(small, size);
+            if oversize {
+                self.oversize_segments.sub(false, 1);
+            }
+            self.num_device_free += 1;
+        }
+    }
+}
+
+impl PoolCounters {
+    /// A block of this pool handed out.
+    #[inline(always)]
+    pub(crate) fn on_alloc(&mut self, size: usize, requested: usize) {
+        self.allocation.add(1);
+        self.allocated_bytes.add(size);
+        self.requested_bytes.add(requested);
+    }
+
+    /// A block of this pool freed by its owner.
+    #[inline(always)]
+    pub(crate) fn on_free_requested(&mut self, size: usize, requested: usize) {
+        self.allocation.sub(1);
+        self.allocated_bytes.sub(size);
+        self.requested_bytes.sub(requested);
+    }
+
+    /// As [`Counters::on_segment`], for the pool.
+    pub(crate) fn on_segment(&mut self, size: usize, added: bool, device_call: bool) {
+        if added {
+            self.segment.add(1);
+            self.reserved_bytes.add(size);
+            if device_call {
+                self.num_device_alloc += 1;
+            } else {
+                self.num_device_free -= 1;
+            }
+        } else {
+            self.segment.sub(1);
+            self.reserved_bytes.sub(size);
+            self.num_device_free += 1;
+        }
+    }
+}
+
 impl Counters {
     pub(crate) fn reset_peak(&mut self) {
         for t in [

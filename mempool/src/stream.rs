@@ -19,63 +19,79 @@
 use std::cell::RefCell;
 use std::marker::PhantomData;
 
-use crate::backend::StreamId;
-use crate::caching::PoolRef;
+use crate::backend::Keep;
+use crate::id::{PoolRef, StreamKey, StreamRef};
 
 /// A pool scope: allocations of this thread through allocator `key` on `stream` go to `pool`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Route {
     pub(crate) key: u32,
-    pub(crate) stream: StreamId,
+    pub(crate) stream: StreamKey,
     pub(crate) pool: PoolRef,
     pub(crate) id: u64,
 }
 
+/// A current-stream setting of one allocator; the entry holds the stream alive.
+struct Current {
+    key: u32,
+    stream: StreamRef,
+    keep: Option<Keep>,
+    id: u64,
+}
+
 /// This thread's allocation context.
 struct Tls {
-    /// `(allocator key, current stream)`; no entry: the default stream, `StreamId(0)`.
-    streams: Vec<(u32, StreamId)>,
+    /// Current-stream settings, innermost last; the last one of an allocator is its current
+    /// stream (none: the default stream).
+    streams: Vec<Current>,
     /// Active pool scopes, innermost last.
     routes: Vec<Route>,
-    next_route: u64,
+    next_id: u64,
 }
 
 thread_local! {
-    static TLS: RefCell<Tls> = const { RefCell::new(Tls { streams: Vec::new(), routes: Vec::new(), next_route: 1 }) };
+    static TLS: RefCell<Tls> = const { RefCell::new(Tls { streams: Vec::new(), routes: Vec::new(), next_id: 1 }) };
 }
 
-fn stream_of(t: &Tls, key: u32) -> StreamId {
-    t.streams.iter().rev().find(|(k, _)| *k == key).map_or(StreamId(0), |(_, s)| *s)
+fn current_of(t: &Tls, key: u32) -> Option<&Current> {
+    t.streams.iter().rev().find(|c| c.key == key)
 }
 
 /// This thread's current stream for allocator `key`.
 #[inline]
-pub(crate) fn current(key: u32) -> StreamId {
-    TLS.with(|t| stream_of(&t.borrow(), key))
+pub(crate) fn current(key: u32) -> StreamRef {
+    TLS.with(|t| current_of(&t.borrow(), key).map_or(StreamRef::DEFAULT, |c| c.stream))
+}
+
+/// What keeps this thread's current stream for allocator `key` alive (`None` for the default
+/// stream, and for kinds whose streams never die).
+pub(crate) fn current_keep(key: u32) -> Option<Keep> {
+    TLS.with(|t| current_of(&t.borrow(), key).and_then(|c| c.keep.clone()))
 }
 
 /// This thread's current stream for allocator `key`, and the pool its allocations go to: the
 /// innermost scope of this thread on that stream, or the default pools.
 #[inline]
-pub(crate) fn current_with_pool(key: u32) -> (StreamId, PoolRef) {
+pub(crate) fn current_with_pool(key: u32) -> (StreamRef, PoolRef) {
     TLS.with(|t| {
         let t = t.borrow();
-        let s = stream_of(&t, key);
+        let s = current_of(&t, key).map_or(StreamRef::DEFAULT, |c| c.stream);
         if t.routes.is_empty() {
             return (s, PoolRef::DEFAULT);
         }
-        let pool = t.routes.iter().rev().find(|r| r.key == key && r.stream == s).map_or(PoolRef::DEFAULT, |r| r.pool);
+        let pool =
+            t.routes.iter().rev().find(|r| r.key == key && r.stream == s.key).map_or(PoolRef::DEFAULT, |r| r.pool);
         (s, pool)
     })
 }
 
 /// Begins routing; returns the route's id for [`end_route`].
 #[inline]
-pub(crate) fn begin_route(key: u32, stream: StreamId, pool: PoolRef) -> u64 {
+pub(crate) fn begin_route(key: u32, stream: StreamKey, pool: PoolRef) -> u64 {
     TLS.with(|t| {
         let mut t = t.borrow_mut();
-        let id = t.next_route;
-        t.next_route += 1;
+        let id = t.next_id;
+        t.next_id += 1;
         t.routes.push(Route { key, stream, pool, id });
         id
     })
@@ -93,45 +109,48 @@ pub(crate) fn end_route(id: u64) {
     });
 }
 
-/// Sets the current stream for `key` (None: back to the default), returning the previous one.
-fn replace(key: u32, s: Option<StreamId>) -> Option<StreamId> {
-    TLS.try_with(|t| {
-        let mut t = t.borrow_mut();
-        let pos = t.streams.iter().position(|(k, _)| *k == key);
-        let prev = pos.map(|p| t.streams.swap_remove(p).1);
-        if let Some(s) = s {
-            t.streams.push((key, s));
-        }
-        prev
-    })
-    .unwrap_or(None)
-}
-
-/// Sets this thread's current stream of one allocator until dropped, then restores the one
-/// before. Made by [`Allocator::set_stream`](crate::Allocator::set_stream).
+/// Sets this thread's current stream of one allocator until dropped. Made by
+/// [`Allocator::set_stream`](crate::Allocator::set_stream).
+///
+/// Guards end by identity: dropping one removes exactly its own setting, so guards dropped out
+/// of order leave the thread on the stream of the innermost guard still alive (or the default
+/// stream), never on a stream nobody holds. The setting holds its stream alive, so a forgotten
+/// guard (`mem::forget`) keeps the stream current, and alive, for the rest of the thread.
 #[must_use = "the stream is current only while the guard lives"]
 pub struct StreamGuard {
+    id: u64,
     key: u32,
-    prev: Option<StreamId>,
     // The setting is per thread: the guard must be dropped on the thread that made it.
     _not_send: PhantomData<*const ()>,
 }
 
 impl StreamGuard {
-    pub(crate) fn new(key: u32, s: StreamId) -> StreamGuard {
-        let prev = replace(key, Some(s));
-        StreamGuard { key, prev, _not_send: PhantomData }
+    pub(crate) fn new(key: u32, stream: StreamRef, keep: Option<Keep>) -> StreamGuard {
+        let id = TLS.with(|t| {
+            let mut t = t.borrow_mut();
+            let id = t.next_id;
+            t.next_id += 1;
+            t.streams.push(Current { key, stream, keep, id });
+            id
+        });
+        StreamGuard { id, key, _not_send: PhantomData }
     }
 }
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        replace(self.key, self.prev.take());
+        let removed = TLS.try_with(|t| {
+            let mut t = t.borrow_mut();
+            let i = t.streams.iter().rposition(|c| c.id == self.id)?;
+            Some(t.streams.remove(i))
+        });
+        // The stream (if this was its last holder) is destroyed outside the borrow.
+        drop(removed);
     }
 }
 
 impl std::fmt::Debug for StreamGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StreamGuard").field("allocator", &self.key).field("restores", &self.prev).finish()
+        f.debug_struct("StreamGuard").field("allocator", &self.key).field("id", &self.id).finish()
     }
 }

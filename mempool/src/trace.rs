@@ -13,12 +13,17 @@
 //! # Ok::<(), mempool::Error>(())
 //! ```
 //!
-//! Callbacks run on the thread that allocates, while that device's allocator is locked, so that
-//! a `SegmentAlloc` is seen before any block of the segment is handed out and a `SegmentFree`
-//! before the segment's memory is given back (NCCL registrations are undone first). A callback
-//! that calls back into mempool gets [`Error::Reentrant`] (a `Buffer` dropped there is freed at
-//! the allocator's next call), never a deadlock. Without hooks the cost is one relaxed load per
-//! event.
+//! Callbacks never run under an allocator's lock. Each allocator queues its events in the order
+//! they happen and delivers them one thread at a time in that order, right after the call that
+//! made them: a `SegmentFree` is delivered before the segment's memory is given back (NCCL
+//! registrations are undone first), and a call that obtained a segment returns after its
+//! `SegmentAlloc` was delivered, unless another thread of the same allocator was delivering at
+//! that moment (then that thread delivers it, just after).
+//!
+//! A callback may call mempool: read statistics, take a snapshot, drop buffers, record streams,
+//! attach or detach hooks. Only allocating is refused there ([`Error::Reentrant`](crate::Error::Reentrant)), since an
+//! allocation would feed the hook its own events. Events caused from inside a callback are
+//! delivered after it returns. Without hooks the cost is one relaxed load per event.
 
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -27,9 +32,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use crate::backend::StreamId;
-use crate::caching::PoolId;
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::id::{AllocatorId, PoolId, StreamId};
 
 /// What happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -68,6 +72,9 @@ impl Action {
 pub struct TraceEntry {
     /// What happened.
     pub action: Action,
+    /// The allocator it happened in (two allocators may serve the same device index: CUDA
+    /// device 0, a host allocator, a simulated one).
+    pub allocator: AllocatorId,
     /// Device index.
     pub device: usize,
     /// The pool of the block or segment.
@@ -80,6 +87,21 @@ pub struct TraceEntry {
     pub stream: StreamId,
     /// Microseconds since the Unix epoch.
     pub time_us: u64,
+}
+
+impl TraceEntry {
+    pub(crate) fn new(
+        action: Action,
+        allocator: AllocatorId,
+        device: usize,
+        pool: PoolId,
+        addr: u64,
+        size: usize,
+        stream: StreamId,
+    ) -> TraceEntry {
+        let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        TraceEntry { action, allocator, device, pool, addr, size, stream, time_us }
+    }
 }
 
 impl fmt::Display for TraceEntry {
@@ -128,11 +150,8 @@ impl fmt::Debug for TraceHandle {
 
 impl Drop for TraceHandle {
     fn drop(&mut self) {
-        if IN_HOOK.with(Cell::get) {
-            // Detaching from inside a callback would wait on the lock the dispatch holds; the
-            // callback stays attached rather than deadlock.
-            return;
-        }
+        // Delivery copies the callback list before calling any, so this never waits on a
+        // delivery in progress (a callback may detach itself or another).
         let mut hooks = HOOKS.write().unwrap_or_else(|p| p.into_inner());
         let before = hooks.len();
         hooks.retain(|(id, _)| *id != self.id);
@@ -142,12 +161,9 @@ impl Drop for TraceHandle {
     }
 }
 
-/// Calls `callback` for every event of every allocator until the handle is dropped.
-/// From inside a callback: [`Error::Reentrant`].
+/// Calls `callback` for every event of every allocator until the handle is dropped (a callback
+/// attached from inside a callback sees the events after the current one).
 pub fn attach(callback: impl Fn(&TraceEntry) + Send + Sync + 'static) -> Result<TraceHandle> {
-    if in_hook() {
-        return Err(Error::Reentrant);
-    }
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     HOOKS.write().unwrap_or_else(|p| p.into_inner()).push((id, Arc::new(callback)));
     ACTIVE.fetch_add(1, Ordering::Relaxed);
@@ -173,10 +189,10 @@ pub fn record_history(max_entries: usize) {
     }
 }
 
-/// The recorded events (oldest first) of `device`, or of every device.
-pub fn history(device: Option<usize>) -> Vec<TraceEntry> {
+/// The recorded events (oldest first) of one allocator, or of every allocator.
+pub fn history(allocator: Option<AllocatorId>) -> Vec<TraceEntry> {
     let h = HISTORY.lock().unwrap_or_else(|p| p.into_inner());
-    h.entries.iter().filter(|e| device.is_none_or(|d| e.device == d)).copied().collect()
+    h.entries.iter().filter(|e| allocator.is_none_or(|a| e.allocator == a)).copied().collect()
 }
 
 /// Whether anything listens (one relaxed load).
@@ -185,16 +201,16 @@ pub(crate) fn enabled() -> bool {
     ACTIVE.load(Ordering::Relaxed) != 0
 }
 
-/// Whether this thread is inside a callback (only ever true while something listens).
+/// Whether this thread is inside a callback. Read from the thread's own flag alone: another
+/// thread detaching the last hook meanwhile does not make it false.
 #[inline]
 pub(crate) fn in_hook() -> bool {
-    enabled() && IN_HOOK.with(Cell::get)
+    IN_HOOK.with(Cell::get)
 }
 
-/// Delivers an event to every callback and the history. The caller checked [`enabled`].
-pub(crate) fn dispatch(action: Action, device: usize, pool: PoolId, addr: u64, size: usize, stream: StreamId) {
-    let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-    let e = TraceEntry { action, device, pool, addr, size, stream, time_us };
+/// Delivers an event to the history and every callback (called outside every allocator lock).
+pub(crate) fn deliver(e: &TraceEntry) {
+    let e = *e;
     {
         let mut h = HISTORY.lock().unwrap_or_else(|p| p.into_inner());
         if h.max > 0 {
@@ -210,8 +226,8 @@ pub(crate) fn dispatch(action: Action, device: usize, pool: PoolId, addr: u64, s
     }
     let was = IN_HOOK.with(|f| f.replace(true));
     for h in hooks {
-        // A panicking callback must not unwind through the allocator (it holds a lock and may be
-        // inside `Drop`); the panic is contained here.
+        // A panicking callback must not unwind into the allocator (it may be inside `Drop`);
+        // the panic is contained here.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&e)));
     }
     IN_HOOK.with(|f| f.set(was));

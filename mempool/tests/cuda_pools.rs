@@ -18,7 +18,9 @@ struct CountingCuda {
     calls: Arc<AtomicUsize>,
 }
 
-impl RawAllocator for CountingCuda {
+// SAFETY: segments are `cuMemAlloc` allocations of exactly `size` bytes, owned by the caller
+// until `free` gives them to `cuMemFree` once.
+unsafe impl RawAllocator for CountingCuda {
     fn name(&self) -> &str {
         "counting-cuMemAlloc"
     }
@@ -30,7 +32,7 @@ impl RawAllocator for CountingCuda {
         self.calls.fetch_add(1, Ordering::Relaxed);
         Ok(p)
     }
-    fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
         // SAFETY: `ptr` came from `alloc` above and is freed once.
         unsafe { result::free_sync(ptr) }.map_err(|e| BackendError::Failed(e.to_string()))?;
@@ -47,7 +49,7 @@ fn pool_over_cumemalloc_in_a_scope_with_kernels_and_release() {
     let stream = a.current_stream();
     let counting =
         CountingCuda { ctx: ctx.clone(), allocated: Arc::default(), freed: Arc::default(), calls: Arc::default() };
-    let pool = MemPool::on(&a, PoolOptions::new().allocator(counting.clone()));
+    let pool = MemPool::on(&a, PoolOptions::new().allocator(counting.clone())).unwrap();
     let add_one = ctx.load_module(Ptx::from_src(common::ptx::KERNELS)).unwrap().load_function("add_one").unwrap();
     let n: u32 = 3 << 20;
     let (mut x, y) = {

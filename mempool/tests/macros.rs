@@ -14,8 +14,8 @@ type P = MemPool<Sim>;
 fn setup() -> (std::sync::Arc<SimDevice>, A, P, P) {
     let sim = SimDevice::new(1 << 30);
     let a = Allocator::sim(sim.clone());
-    let p = MemPool::on(&a, PoolOptions::new());
-    let q = MemPool::on(&a, PoolOptions::new());
+    let p = MemPool::on(&a, PoolOptions::new()).unwrap();
+    let q = MemPool::on(&a, PoolOptions::new()).unwrap();
     (sim, a, p, q)
 }
 

@@ -52,7 +52,9 @@ impl Tracking {
     }
 }
 
-impl RawAllocator for Tracking {
+// SAFETY: only ever used with simulated allocators, whose memory is never read or written;
+// the addresses it makes up are distinct, granularity-aligned ranges, each handed out once.
+unsafe impl RawAllocator for Tracking {
     fn name(&self) -> &str {
         "tracking"
     }
@@ -70,7 +72,7 @@ impl RawAllocator for Tracking {
         l.live.insert(addr, size);
         Ok(addr)
     }
-    fn free(&self, ptr: u64, size: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, size: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
         let mut l = self.ledger();
         if l.fail_frees > 0 {
             l.fail_frees -= 1;
@@ -191,14 +193,14 @@ impl World {
     fn make_pool(&mut self, p: usize) -> (MemPool<Sim>, Option<Tracking>) {
         self.made += 1;
         match p {
-            0 => (MemPool::on(&self.a, PoolOptions::new().use_on_oom(true)), None),
+            0 => (MemPool::on(&self.a, PoolOptions::new().use_on_oom(true)).unwrap(), None),
             1 => {
                 let t = Tracking::new(self.made, 512);
-                (MemPool::on(&self.a, PoolOptions::new().allocator(t.clone())), Some(t))
+                (MemPool::on(&self.a, PoolOptions::new().allocator(t.clone())).unwrap(), Some(t))
             }
             _ => {
                 let t = Tracking::new(self.made, 2 * MIB);
-                (MemPool::on(&self.a, PoolOptions::new().allocator(t.clone()).no_split(true)), Some(t))
+                (MemPool::on(&self.a, PoolOptions::new().allocator(t.clone()).no_split(true)).unwrap(), Some(t))
             }
         }
     }
@@ -484,8 +486,8 @@ fn eight_threads_share_pools_and_enter_scopes_concurrently() {
     let a = Allocator::sim(sim.clone());
     let tracker = Tracking::new(1, 512);
     let pools = Arc::new(vec![
-        MemPool::on(&a, PoolOptions::new()),
-        MemPool::on(&a, PoolOptions::new().allocator(tracker.clone())),
+        MemPool::on(&a, PoolOptions::new()).unwrap(),
+        MemPool::on(&a, PoolOptions::new().allocator(tracker.clone())).unwrap(),
     ]);
     let streams: Arc<Vec<SimStream>> = Arc::new(vec![sim.default_stream(), sim.new_stream(), sim.new_stream()]);
     let (done_tx, done_rx) = std::sync::mpsc::channel();

@@ -55,7 +55,7 @@ fn pickle_loads_in_python_with_pytorchs_layout_and_oom_writes_one() {
     std::env::set_var("MEMPOOL_RECORD_HISTORY", "100000");
     let sim = SimDevice::new(48 << 20);
     let a = Allocator::sim(sim);
-    let pool = MemPool::on(&a, PoolOptions::new());
+    let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
     let keep = a.alloc::<u8>(3000).unwrap();
     let big = a.alloc::<u8>(5 << 20).unwrap();
     let mine = pool.alloc::<u8>(100_000).unwrap();

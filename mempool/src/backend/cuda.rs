@@ -79,7 +79,9 @@ impl Drop for CudaBackend {
     }
 }
 
-impl Backend for CudaBackend {
+// SAFETY: segments come from `cuMemAlloc` with exactly the size asked for (256-byte aligned or
+// better), owned by the caller until `free_segment`; `zero` writes only the range it is given.
+unsafe impl Backend for CudaBackend {
     fn kind(&self) -> &'static str {
         "cuda"
     }
@@ -99,21 +101,21 @@ impl Backend for CudaBackend {
         unsafe { result::malloc_sync(size) }.map_err(failed)
     }
 
-    fn free_segment(&self, addr: u64, _size: usize) -> Result<(), BackendError> {
+    unsafe fn free_segment(&self, addr: u64, _size: usize) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: `addr` came from `malloc_sync` and the caching allocator frees it once, after
         // every event guarding its blocks completed.
         unsafe { result::free_sync(addr) }.map_err(failed)
     }
 
-    fn zero(&self, addr: u64, size: usize, stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn zero(&self, addr: u64, size: usize, stream: StreamId) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: the range lies inside a live segment, in a block just handed to the caller;
         // `stream` is a stream of this context that the caller is allocating on.
         unsafe { result::memset_d8_async(addr, 0, size, stream.0 as CUstream) }.map_err(failed)
     }
 
-    fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
+    unsafe fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
         self.bind()?;
         let reuse = self.idle_events.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let ev = match reuse {
@@ -132,7 +134,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn query_event(&self, event: EventId) -> Result<bool, BackendError> {
+    unsafe fn query_event(&self, event: EventId) -> Result<bool, BackendError> {
         // SAFETY: the event was created by `record_event` and not yet released.
         match unsafe { result::event::query(event.0 as CUevent) } {
             Ok(()) => Ok(true),
@@ -141,13 +143,13 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn synchronize_event(&self, event: EventId) -> Result<(), BackendError> {
+    unsafe fn synchronize_event(&self, event: EventId) -> Result<(), BackendError> {
         self.bind()?;
         // SAFETY: as in `query_event`.
         unsafe { result::event::synchronize(event.0 as CUevent) }.map_err(failed)
     }
 
-    fn release_event(&self, event: EventId) {
+    unsafe fn release_event(&self, event: EventId) {
         self.idle_events.lock().unwrap_or_else(|p| p.into_inner()).push(event.0);
     }
 }

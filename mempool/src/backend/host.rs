@@ -44,7 +44,10 @@ impl Default for HostBackend {
     }
 }
 
-impl Backend for HostBackend {
+// SAFETY: segments come from `std::alloc::alloc` (or `cuMemHostAlloc`) with exactly the size asked
+// for and a 4 KiB alignment, and are owned by the caller until `free_segment`; `zero` writes only
+// the range it is given, which its caller promises lies in a live segment.
+unsafe impl Backend for HostBackend {
     fn kind(&self) -> &'static str {
         "host"
     }
@@ -82,7 +85,7 @@ impl Backend for HostBackend {
         }
     }
 
-    fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+    unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         match &self.pinned {
             Some(ctx) => {
                 ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
@@ -100,24 +103,24 @@ impl Backend for HostBackend {
         }
     }
 
-    fn zero(&self, addr: u64, size: usize, _stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn zero(&self, addr: u64, size: usize, _stream: StreamId) -> Result<(), BackendError> {
         // SAFETY: the caching allocator passes a range inside one live segment of this backend,
         // owned by a block it has just handed out and that nothing else references yet.
         unsafe { std::ptr::write_bytes(addr as *mut u8, 0, size) };
         Ok(())
     }
 
-    fn record_event(&self, _stream: StreamId) -> Result<EventId, BackendError> {
+    unsafe fn record_event(&self, _stream: StreamId) -> Result<EventId, BackendError> {
         Ok(EventId(0))
     }
 
-    fn query_event(&self, _event: EventId) -> Result<bool, BackendError> {
+    unsafe fn query_event(&self, _event: EventId) -> Result<bool, BackendError> {
         Ok(true)
     }
 
-    fn synchronize_event(&self, _event: EventId) -> Result<(), BackendError> {
+    unsafe fn synchronize_event(&self, _event: EventId) -> Result<(), BackendError> {
         Ok(())
     }
 
-    fn release_event(&self, _event: EventId) {}
+    unsafe fn release_event(&self, _event: EventId) {}
 }

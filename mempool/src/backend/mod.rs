@@ -1,34 +1,37 @@
-//! The device boundary: everything the caching algorithm needs from a device.
+//! The device boundary: where segments, streams and events come from.
 //!
-//! One caching algorithm serves every kind of device; a [`Backend`] supplies raw segments,
-//! streams and events. Three ship with the crate:
+//! One caching algorithm serves every kind of device. Two traits bring the device in, and both
+//! are `unsafe` to implement, because the algorithm writes through, zero and hands out the
+//! addresses they return without being able to check them:
 //!
-//! | backend | memory | events |
-//! | --- | --- | --- |
-//! | [`cuda`] | `cuMemAlloc` / `cuMemFree` | CUDA events |
-//! | [`host`] | page-locked host memory through CUDA when a driver is present, plain otherwise | host work is synchronous: always complete |
-//! | [`sim`] | none: addresses only, with a capacity limit and injectable failures | complete only when the test says so |
+//! * [`Backend`]: a device's own segments, zero fill and events. Three ship with the crate:
+//!
+//!   | backend | memory | events |
+//!   | --- | --- | --- |
+//!   | [`cuda`] | `cuMemAlloc` / `cuMemFree` | CUDA events |
+//!   | [`host`] | page-locked host memory through CUDA when a driver is present, plain otherwise | host work is synchronous: always complete |
+//!   | [`sim`] | none: addresses only, with a capacity limit and injectable failures | complete only when the test says so |
+//!
+//! * [`RawAllocator`]: a user pool's segment source (ncclMemAlloc, cuMemCreate on a NUMA node,
+//!   a stream-ordered CUDA pool...). A pool without one takes its segments from the backend.
+//!
+//! Methods that take an address, a stream or an event that the caller could make up are
+//! `unsafe fn`: the caching allocator calls them only with what the same implementation gave it.
 
 pub mod cuda;
 pub mod host;
 pub mod sim;
 
+use std::any::Any;
 use std::fmt;
+use std::sync::Arc;
 
-/// Identifies a stream of one device. For CUDA it is the `CUstream` handle's value (0: the
-/// default stream).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct StreamId(pub u64);
+pub use crate::id::{EventId, StreamId};
 
-impl fmt::Display for StreamId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:#x}", self.0)
-    }
-}
-
-/// An event recorded on a stream, named by the backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct EventId(pub u64);
+/// Keeps a stream object alive (for CUDA, a clone of its `Arc<CudaStream>`): held by every
+/// segment, recorded use and current-stream entry that names the stream, so that its handle
+/// cannot be reused by a new stream while the allocator may still record events on it.
+pub(crate) type Keep = Arc<dyn Any + Send + Sync>;
 
 /// What a backend reports when it cannot do what was asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,30 +51,119 @@ impl fmt::Display for BackendError {
     }
 }
 
+impl std::error::Error for BackendError {}
+
 /// Raw segments, streams and events of one device.
 ///
-/// The caching allocator calls these under its lock, a few times per segment (never per cached
-/// allocation), so an implementation may be simple rather than fast.
-pub trait Backend: Send + Sync + 'static {
+/// The caching allocator calls these a few times per segment (never per cached allocation), so
+/// an implementation may be simple rather than fast.
+///
+/// # Safety
+///
+/// An implementer promises that [`alloc_segment`](Backend::alloc_segment) returns the address
+/// of `size` bytes of this device's memory, aligned to 512 bytes, that nothing else uses until
+/// the same range is given to [`free_segment`](Backend::free_segment), and that [`zero`]
+/// (Backend::zero) writes only inside the range it is given. The allocator hands these bytes
+/// out to safe code (zero-filled buffers, cudarc copies), so a made-up or shared range would be
+/// undefined behaviour that the safe API could reach.
+pub unsafe trait Backend: Send + Sync + 'static {
     /// `"cuda"`, `"host"`, `"sim"`, or a user backend's name; used in reports.
     fn kind(&self) -> &'static str;
     /// The device index.
     fn device(&self) -> usize;
     /// `(free, total)` bytes of the device, where the backend knows them.
     fn memory_info(&self) -> Option<(usize, usize)>;
-    /// A new segment of exactly `size` bytes, aligned to at least 512 bytes. `stream` is the
-    /// stream the first allocation in it is made for.
+    /// A new segment of exactly `size` bytes (`size > 0`), aligned to at least 512 bytes.
+    /// `stream` is the stream the first allocation in it is made for.
     fn alloc_segment(&self, size: usize, stream: StreamId) -> Result<u64, BackendError>;
-    /// Gives back a segment obtained from [`alloc_segment`](Backend::alloc_segment) with this size.
-    fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError>;
+    /// Gives back a segment.
+    ///
+    /// # Safety
+    /// `addr` and `size` are those of a segment from [`alloc_segment`](Backend::alloc_segment)
+    /// of this backend, not freed yet, that nothing uses any more (every event guarding it has
+    /// completed).
+    unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError>;
     /// Fills `size` bytes at `addr` with zeros, ordered on `stream`.
-    fn zero(&self, addr: u64, size: usize, stream: StreamId) -> Result<(), BackendError>;
+    ///
+    /// # Safety
+    /// `addr..addr + size` lies inside one live segment of this backend and belongs to a block
+    /// the caller owns; `stream` is a live stream of this device.
+    unsafe fn zero(&self, addr: u64, size: usize, stream: StreamId) -> Result<(), BackendError>;
     /// Records an event on `stream` capturing the work submitted to it so far.
-    fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError>;
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device (for CUDA, recording on a destroyed stream's
+    /// handle is undefined behaviour).
+    unsafe fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError>;
     /// Whether the work the event captured has completed.
-    fn query_event(&self, event: EventId) -> Result<bool, BackendError>;
+    ///
+    /// # Safety
+    /// `event` came from [`record_event`](Backend::record_event) of this backend and has not
+    /// been released.
+    unsafe fn query_event(&self, event: EventId) -> Result<bool, BackendError>;
     /// Blocks until the work the event captured has completed.
-    fn synchronize_event(&self, event: EventId) -> Result<(), BackendError>;
+    ///
+    /// # Safety
+    /// As for [`query_event`](Backend::query_event).
+    unsafe fn synchronize_event(&self, event: EventId) -> Result<(), BackendError>;
     /// The event is no longer needed (it may be reused).
-    fn release_event(&self, event: EventId);
+    ///
+    /// # Safety
+    /// As for [`query_event`](Backend::query_event); the event is not used again.
+    unsafe fn release_event(&self, event: EventId);
+}
+
+/// Where a user pool's segments come from: your own alloc/free functions (PyTorch's pluggable
+/// allocator functions).
+///
+/// `alloc` returns a device address of `size` bytes (a multiple of [`granularity`]), aligned to
+/// the granularity; 0 or `Err(BackendError::OutOfMemory)` means there is no memory. The
+/// allocator calls both functions without holding any of its locks, so they may call mempool
+/// (to read statistics, say); a panic in either is caught and reported as the pool allocator's
+/// error, and the allocator's state stays exact.
+///
+/// [`granularity`]: RawAllocator::granularity
+///
+/// # Safety
+///
+/// An implementer promises that a successful [`alloc`](RawAllocator::alloc) returns the address
+/// of `size` bytes of memory of `device` that the caller may read and write (device memory for
+/// CUDA pools: the allocator zero-fills it with `cuMemsetD8Async` and cudarc copies into it),
+/// that nothing else uses until the same range is given back to [`free`](RawAllocator::free).
+/// The allocator hands these bytes to safe code; a made-up, shared or too small range would be
+/// undefined behaviour that the safe API could reach.
+pub unsafe trait RawAllocator: Send + Sync + 'static {
+    /// A name for reports and errors.
+    fn name(&self) -> &str;
+    /// A new segment of `size` bytes for `stream` of `device` (the stream is alive during the
+    /// call).
+    fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError>;
+    /// Gives a segment back.
+    ///
+    /// # Safety
+    /// `ptr` and `size` are exactly those of a segment this allocator's
+    /// [`alloc`](RawAllocator::alloc) returned for `device`, not freed yet, and nothing uses it
+    /// any more. `stream` is the stream it was allocated for, alive during the call.
+    unsafe fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError>;
+    /// Segment sizes are multiples of this, and addresses must be aligned to it (a power of two,
+    /// at least 512). NCCL/NVLS buffers want the multicast granularity, typically 2 MiB.
+    fn granularity(&self) -> usize {
+        512
+    }
+}
+
+/// Runs user code (a pool allocator, a hook) so that a panic in it becomes an error instead of
+/// unwinding through the allocator.
+pub(crate) fn contain<T>(what: &str, f: impl FnOnce() -> Result<T, BackendError>) -> Result<T, BackendError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a non-string payload".into());
+            Err(BackendError::Failed(format!("{what} panicked: {msg}")))
+        }
+    }
 }

@@ -153,7 +153,10 @@ impl SimDevice {
     }
 }
 
-impl Backend for SimDevice {
+// SAFETY: the simulated device has no memory at all: nothing is ever written through its
+// addresses (`zero` only checks the range), and its segments never overlap (laid out one after
+// another, each start 2 MiB aligned).
+unsafe impl Backend for SimDevice {
     fn kind(&self) -> &'static str {
         "sim"
     }
@@ -184,7 +187,7 @@ impl Backend for SimDevice {
         Ok(addr)
     }
 
-    fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+    unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         let mut s = self.lock();
         if s.fail_frees > 0 {
             s.fail_frees -= 1;
@@ -202,7 +205,7 @@ impl Backend for SimDevice {
         }
     }
 
-    fn zero(&self, addr: u64, size: usize, _stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn zero(&self, addr: u64, size: usize, _stream: StreamId) -> Result<(), BackendError> {
         let s = self.lock();
         match s.segments.range(..=addr).next_back() {
             Some((a, sz)) if addr + size as u64 <= a + *sz as u64 => Ok(()),
@@ -210,7 +213,7 @@ impl Backend for SimDevice {
         }
     }
 
-    fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
+    unsafe fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
         let mut s = self.lock();
         let e = s.streams.entry(stream).or_default();
         e.0 += 1;
@@ -221,7 +224,7 @@ impl Backend for SimDevice {
         Ok(EventId(id))
     }
 
-    fn query_event(&self, event: EventId) -> Result<bool, BackendError> {
+    unsafe fn query_event(&self, event: EventId) -> Result<bool, BackendError> {
         let mut s = self.lock();
         if s.fail_queries > 0 {
             s.fail_queries -= 1;
@@ -231,7 +234,7 @@ impl Backend for SimDevice {
         Ok(s.streams.get(&stream).is_some_and(|e| e.1 >= seq))
     }
 
-    fn synchronize_event(&self, event: EventId) -> Result<(), BackendError> {
+    unsafe fn synchronize_event(&self, event: EventId) -> Result<(), BackendError> {
         let mut s = self.lock();
         let (stream, seq) = *s.events.get(&event.0).ok_or_else(|| BackendError::Failed("sim: unknown event".into()))?;
         s.syncs += 1;
@@ -240,7 +243,7 @@ impl Backend for SimDevice {
         Ok(())
     }
 
-    fn release_event(&self, event: EventId) {
+    unsafe fn release_event(&self, event: EventId) {
         self.lock().events.remove(&event.0);
     }
 }

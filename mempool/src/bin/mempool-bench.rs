@@ -130,7 +130,7 @@ fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
 
 /// Scope enter+exit, and pair latency inside a pool scope next to the default pools'.
 fn scope<K: Kind>(a: &Allocator<K>) {
-    let pool = MemPool::on(a, PoolOptions::new());
+    let pool = MemPool::on(a, PoolOptions::new()).expect("a pool with the default options");
     for _ in 0..WARMUP {
         drop(std::hint::black_box(pool.scope()));
     }

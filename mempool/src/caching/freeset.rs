@@ -15,7 +15,7 @@ use std::collections::BTreeSet;
 pub(super) type Key = u128;
 
 pub(super) fn key(size: usize, addr: u64, idx: u32) -> Key {
-    debug_assert!(size <= super::MAX_BLOCK && addr < (1 << 56));
+    debug_assert!(size <= crate::rules::MAX_BLOCK && addr < (1 << 56));
     ((size as u128) << 88) | ((addr as u128) << 32) | idx as u128
 }
 
@@ -221,7 +221,7 @@ mod tests {
     fn classes_are_ordered_and_cover_every_size() {
         let mut last = 0;
         let mut size = 512;
-        while size <= super::super::MAX_BLOCK {
+        while size <= crate::rules::MAX_BLOCK {
             let c = class_of(size);
             assert!(c >= last && c < CLASSES, "size {size}: class {c} after {last}");
             last = c;

@@ -1,240 +1,104 @@
 //! The caching algorithm: blocks, segments, free sets, splitting, merging, deferred frees, pools.
 //!
 //! Safe code only; every device action goes through a [`Backend`] or a pool's
-//! [`RawAllocator`](crate::RawAllocator).
+//! [`RawAllocator`](crate::RawAllocator), with addresses this module obtained from them.
 //!
-//! Blocks live in a slab and are named by their index, so a [`Buffer`](crate::Buffer) frees its
-//! block without a pointer lookup. Free blocks sit in one ordered set per (pool, stream, small or
-//! large), ordered by size then address, so the best fit is the first block at or above the
-//! requested size.
+//! | file | job |
+//! | --- | --- |
+//! | `mod.rs` | the entry points, the lock, and the outbox: work done outside the lock, in order |
+//! | `state.rs` | the data behind the lock; carving: best fit, split, merge, counting |
+//! | `segments.rs` | new segments, release, garbage collection, the out-of-memory report, pool retirement |
+//! | `events.rs` | cross-stream frees through events |
+//! | `freeset.rs` | the binned best-fit sets |
+//!
+//! **What runs under the lock**: only this module's own code and event queries. User code (trace
+//! hooks, pool allocators) and segment allocation and release run outside it, so a hook or a
+//! pool allocator may call back into mempool without deadlocking, and a slow `cuMemAlloc` does
+//! not stall other threads' cache hits. Hook events and segment frees are queued in the
+//! *outbox* under the lock, in the order they happen, and run by one thread at a time in that
+//! order: a `SegmentFree` reaches the hooks (NCCL deregisters) before the segment's memory goes
+//! back, and a call that obtained a segment returns only after its `SegmentAlloc` was delivered
+//! (unless another thread was delivering at that moment; it then delivers it).
 
+mod events;
 mod freeset;
-pub(crate) mod rounding;
+mod segments;
+mod state;
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
-use crate::backend::{Backend, BackendError, EventId, StreamId};
+use crate::backend::{contain, Backend, BackendError, Keep};
 use crate::config::Config;
-use crate::error::{Error, OomReport, Result};
-use crate::pool::RawAllocator;
+use crate::error::{Error, Result};
+use crate::id::{AllocatorId, PoolId, PoolRef, StreamRef};
+use crate::rules::{is_small, round_size};
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
-use crate::stats::{Counters, MemoryStats, PoolCounters, PoolStats};
-use crate::trace::{self, Action};
-use freeset::{key, key_idx, FreeSet};
-use rounding::{is_small, round_size, segment_size, should_split};
+use crate::stats::{MemoryStats, PoolStats};
+use crate::trace;
+pub(crate) use state::{BlockIdx, PoolSpec};
+use state::{Slot, Source, State, Work};
 
-/// Identifies a memory pool of a device. [`PoolId::DEFAULT`] is the default caching pools.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct PoolId(pub u64);
-
-impl PoolId {
-    /// The device's default pools (small and large).
-    pub const DEFAULT: PoolId = PoolId(0);
+thread_local! {
+    /// This thread is running outbox work (a hook, a segment free) of some allocator: a flush
+    /// asked for meanwhile is left to that loop (or to the allocator's next call), never waited
+    /// for, so nothing a hook or a pool allocator does can wait on itself.
+    static RUNNING_WORK: Cell<bool> = const { Cell::new(false) };
 }
 
-const NONE: u32 = u32::MAX;
-
-/// A multiply-rotate hasher for the small integer keys of the allocator's maps: SipHash's
-/// resistance to crafted keys buys nothing here and costs a third of an allocation.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.write_u64(u64::from(*b));
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
-    }
-    fn write_u8(&mut self, n: u8) {
-        self.write_u64(u64::from(n));
-    }
-}
-
-type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
-
-/// Which pool an allocation goes to: its id and its slot in the allocator's pool table.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct PoolRef {
-    pub(crate) id: PoolId,
-    pub(crate) slot: u32,
-}
-
-impl PoolRef {
-    /// The default pools.
-    pub(crate) const DEFAULT: PoolRef = PoolRef { id: PoolId::DEFAULT, slot: 0 };
-}
-
-/// What a user pool brings: where its memory comes from and how it is carved.
-pub(crate) struct PoolSpec {
-    pub(crate) id: PoolId,
-    pub(crate) raw: Option<Arc<dyn RawAllocator>>,
-    pub(crate) use_on_oom: bool,
-    pub(crate) no_split: bool,
-    pub(crate) granularity: usize,
-    pub(crate) name: String,
-}
-
-impl std::fmt::Debug for PoolSpec {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PoolSpec").field("id", &self.id).field("name", &self.name).finish()
-    }
-}
-
-#[derive(Debug)]
-struct PoolState {
-    spec: PoolSpec,
-    stats: PoolCounters,
-    segments: usize,
-    /// Its last handle is gone: segments go back as soon as they are wholly free.
-    released: bool,
-    /// The slot is in use (a released pool's slot is reused once its last segment is gone).
-    live: bool,
-}
-
-#[derive(Debug)]
-struct Block {
-    addr: u64,
-    size: usize,
-    requested: usize,
-    seg: u32,
-    prev: u32,
-    next: u32,
-    /// Its segment's free set, pool slot and kind (copies, so the hot path needs no segment
-    /// lookup).
-    set: u32,
-    pool: u32,
-    small: bool,
-    state: BlockState,
-    /// Whether `State::uses` lists other streams that used it.
-    has_uses: bool,
-    /// Events still to complete before the block is free.
-    pending: u32,
-}
-
-impl Block {
-    fn is_split(&self) -> bool {
-        self.prev != NONE || self.next != NONE
-    }
-}
-
-#[derive(Debug)]
-struct Segment {
-    addr: u64,
-    size: usize,
-    stream: StreamId,
-    pool: u32,
-    small: bool,
-    head: u32,
-    /// The allocation tick at which the segment last became wholly free (for garbage collection).
-    freed_at: u64,
-    live: bool,
-}
-
-type SetKey = (u32, StreamId, bool);
-
-/// Largest block size the packed free-set key holds (1 TiB); larger requests are refused up front.
-pub(crate) const MAX_BLOCK: usize = (1 << 40) - 1;
-
-/// Everything behind the allocator's lock.
-#[derive(Debug)]
-struct State {
-    config: Config,
-    limit: Option<usize>,
-    blocks: Vec<Block>,
-    free_blocks: Vec<u32>,
-    segments: Vec<Segment>,
-    free_segments: Vec<u32>,
-    sets: Vec<FreeSet>,
-    /// Sets of retired pools (empty), for reuse: short-lived pools must not grow the table.
-    idle_sets: Vec<u32>,
-    set_index: IdMap<SetKey, u32>,
-    /// The set of the last allocation: most programs allocate on one stream at a time.
-    last_set: (SetKey, u32),
-    /// Pool table; slot 0 is the default pools.
-    pools: Vec<PoolState>,
-    pending: Vec<(EventId, u32)>,
-    raw: IdMap<u64, u32>,
-    /// Streams other than its segment's that used a block (only blocks with `has_uses`).
-    uses: IdMap<u32, Vec<StreamId>>,
-    stats: Counters,
-    tick: u64,
-    error: Option<Error>,
-}
-
-/// The caching allocator of one device, over any [`Backend`].
-pub(crate) struct DeviceAllocator {
-    backend: Arc<dyn Backend>,
-    state: Mutex<State>,
-    /// Work asked for inside a trace callback, when the lock was held: done at the next call.
-    deferred: Mutex<Vec<Deferred>>,
-    has_deferred: AtomicBool,
-}
-
-/// What a trace callback could not do itself.
-#[derive(Debug, Clone, Copy)]
-enum Deferred {
-    /// A `Buffer` dropped: free its block.
-    Free(u32),
-    /// A pool's last handle dropped: release the pool.
-    Release(u32),
+/// An allocation request.
+pub(crate) struct Request<'a> {
+    /// Bytes asked for (> 0).
+    pub(crate) size: usize,
+    pub(crate) stream: StreamRef,
+    pub(crate) pool: PoolRef,
+    /// Gives what keeps `stream` alive, for a new segment (called only when one is made).
+    pub(crate) keep: &'a dyn Fn() -> Option<Keep>,
 }
 
 /// A block handed out by [`DeviceAllocator::malloc`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Allocation {
-    pub(crate) block: u32,
+    pub(crate) block: BlockIdx,
     pub(crate) addr: u64,
 }
 
+/// The caching allocator of one device, over any [`Backend`].
+pub(crate) struct DeviceAllocator {
+    backend: Arc<dyn Backend>,
+    id: AllocatorId,
+    state: Mutex<State>,
+    /// Held by the thread running the outbox.
+    outbox: Mutex<()>,
+    /// Whether the outbox may hold work (checked without the lock on the way out of a call).
+    has_work: AtomicBool,
+}
+
+impl std::fmt::Debug for DeviceAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceAllocator").field("id", &self.id).field("backend", &self.backend.kind()).finish()
+    }
+}
+
 impl DeviceAllocator {
-    pub(crate) fn new(backend: Arc<dyn Backend>, config: Config) -> DeviceAllocator {
+    pub(crate) fn new(backend: Arc<dyn Backend>, config: Config, id: AllocatorId) -> DeviceAllocator {
         let limit = limit_for(&*backend, config.memory_fraction);
-        let default_pool = PoolState {
-            spec: PoolSpec {
-                id: PoolId::DEFAULT,
-                raw: None,
-                use_on_oom: false,
-                no_split: false,
-                granularity: 512,
-                name: backend.kind().to_string(),
-            },
-            stats: PoolCounters::default(),
-            segments: 0,
-            released: false,
-            live: true,
+        let default_pool = PoolSpec {
+            id: PoolId::DEFAULT,
+            raw: None,
+            use_on_oom: false,
+            no_split: false,
+            granularity: 512,
+            name: backend.kind().to_string(),
         };
+        let device = backend.device();
         DeviceAllocator {
+            state: Mutex::new(State::new(config, limit, default_pool, id, device)),
             backend,
-            state: Mutex::new(State {
-                config,
-                limit,
-                blocks: Vec::new(),
-                free_blocks: Vec::new(),
-                segments: Vec::new(),
-                free_segments: Vec::new(),
-                sets: Vec::new(),
-                idle_sets: Vec::new(),
-                set_index: IdMap::default(),
-                last_set: ((u32::MAX, StreamId(u64::MAX), false), 0),
-                pools: vec![default_pool],
-                pending: Vec::new(),
-                raw: IdMap::default(),
-                uses: IdMap::default(),
-                stats: Counters::default(),
-                tick: 0,
-                error: None,
-            }),
-            deferred: Mutex::new(Vec::new()),
-            has_deferred: AtomicBool::new(false),
+            id,
+            outbox: Mutex::new(()),
+            has_work: AtomicBool::new(false),
         }
     }
 
@@ -242,119 +106,307 @@ impl DeviceAllocator {
         &*self.backend
     }
 
-    /// The state, locked; frees deferred by trace callbacks are done first.
-    #[inline(always)]
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while the lock was held is a bug in this module; the state is still the best
-        // there is, and `Drop` paths must not panic on a poisoned lock.
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if self.has_deferred.load(Ordering::Relaxed) {
-            self.free_deferred(&mut st);
-        }
-        st
+    pub(crate) fn id(&self) -> AllocatorId {
+        self.id
     }
 
+    #[inline(always)]
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // Nothing panics while the lock is held (user code runs outside it); if something did,
+        // the state is still the best there is, and `Drop` paths must not panic on a poisoned lock.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Unlocks, then runs the outbox if the call queued anything; `wait`: even if another thread
+    /// is running it now (for calls that promise the work is done when they return).
+    #[inline(always)]
+    fn unlock(&self, st: MutexGuard<'_, State>, wait: bool) {
+        let queued = !st.outbox.is_empty();
+        if queued {
+            self.has_work.store(true, Ordering::Release);
+        }
+        drop(st);
+        if queued || (wait && self.has_work.load(Ordering::Acquire)) {
+            self.flush(wait);
+        }
+    }
+
+    /// Runs the outbox: hook events and segment frees, one thread at a time, in queue order.
     #[cold]
-    fn free_deferred(&self, st: &mut State) {
-        self.has_deferred.store(false, Ordering::Relaxed);
-        let work = std::mem::take(&mut *self.deferred.lock().unwrap_or_else(|p| p.into_inner()));
-        for w in work {
-            match w {
-                Deferred::Free(b) => st.free(&*self.backend, b),
-                Deferred::Release(slot) => st.release_pool(&*self.backend, slot),
+    fn flush(&self, wait: bool) {
+        if RUNNING_WORK.with(Cell::get) {
+            return;
+        }
+        loop {
+            let guard = if wait {
+                self.outbox.lock().unwrap_or_else(|p| p.into_inner())
+            } else {
+                match self.outbox.try_lock() {
+                    Ok(g) => g,
+                    Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                    // The thread that holds it runs our work too (it looks again after letting go).
+                    Err(TryLockError::WouldBlock) => return,
+                }
+            };
+            RUNNING_WORK.with(|r| r.set(true));
+            let _running = scopeguard::guard((), |()| RUNNING_WORK.with(|r| r.set(false)));
+            loop {
+                let work = {
+                    let mut st = self.lock();
+                    self.has_work.store(false, Ordering::Release);
+                    std::mem::take(&mut st.outbox)
+                };
+                if work.is_empty() {
+                    break;
+                }
+                for w in work {
+                    self.run(w);
+                }
+            }
+            drop(_running);
+            drop(guard);
+            // Work queued by a thread that found the outbox busy just before we let go.
+            if !self.has_work.load(Ordering::Acquire) {
+                return;
             }
         }
     }
 
-    fn defer(&self, w: Deferred) {
-        self.deferred.lock().unwrap_or_else(|p| p.into_inner()).push(w);
-        self.has_deferred.store(true, Ordering::Relaxed);
+    fn run(&self, w: Work) {
+        match w {
+            Work::Event(e) => trace::deliver(&e),
+            Work::Free(r) => {
+                let be = &*self.backend;
+                let res = contain("the segment free", || match &r.source {
+                    // SAFETY: `r` was taken out of the cache by `release_segment`: a segment this
+                    // backend allocated with exactly this address and size, wholly free (no block
+                    // handed out, every cross-stream event completed), given back once (a
+                    // `Released` is moved, and kept only if its free failed, i.e. did not happen).
+                    Source::Backend => unsafe { be.free_segment(r.addr, r.size) },
+                    // SAFETY: as above, for the pool's own allocator, which made the segment for
+                    // this device and `r.stream`; `r.keep` keeps that stream alive for the call.
+                    Source::Pool(a) => unsafe { a.free(r.addr, r.size, be.device(), r.stream.raw) },
+                });
+                let mut st = self.lock();
+                match res {
+                    Ok(()) => {
+                        st.freed(&r);
+                        drop(st);
+                        drop(r);
+                    }
+                    Err(e) => st.free_failed(r, e.to_string()),
+                }
+            }
+        }
     }
 
-    /// The state for a call that can report [`Error::Reentrant`].
-    #[inline(always)]
-    fn enter(&self) -> Result<MutexGuard<'_, State>> {
+    /// Allocates `req.size` bytes (`> 0`). From inside a trace hook: [`Error::Reentrant`] (an
+    /// allocation there would feed the hook its own events).
+    #[inline]
+    pub(crate) fn malloc(&self, req: &Request<'_>) -> Result<Allocation> {
         if trace::in_hook() {
             return Err(Error::Reentrant);
         }
-        Ok(self.lock())
-    }
-
-    /// Allocates `size` bytes (`size > 0`) for `stream` from `pool`.
-    pub(crate) fn malloc(&self, size: usize, stream: StreamId, pool: PoolRef) -> Result<Allocation> {
-        let mut st = self.enter()?;
-        if st.error.is_some() {
-            return Err(st.error.take().expect("checked"));
+        let mut st = self.lock();
+        if let Some(e) = st.error.take() {
+            return Err(e);
         }
-        let be = &*self.backend;
         if !st.pending.is_empty() {
-            st.process_events(be);
+            st.process_events(&*self.backend);
         }
         st.tick += 1;
-        if size > MAX_BLOCK {
-            return Err(st.oom(be, size, pool.slot));
-        }
-        let rounded = round_size(size, &st.config);
-        let small = is_small(rounded);
-        let set = st.set_for(pool.slot, stream, small);
-        let no_split = st.no_split(pool.slot);
-        let block = match st.best_fit(set, rounded, no_split) {
-            Some(b) => b,
-            None => st.new_segment(be, size, rounded, set, (pool.slot, stream, small))?,
+        let Some(rounded) = round_size(req.size, st.config.divisions_for(req.size)) else {
+            let slot = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
+            let e = st.oom(&*self.backend, req.size, slot);
+            self.unlock(st, false);
+            return Err(e);
         };
-        let a = st.take_block(block, rounded, size);
-        if trace::enabled() {
-            st.emit(be, Action::Alloc, block);
+        let slot = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
+        let small = is_small(rounded);
+        let set = st.set_for(slot, req.stream.key, small);
+        let no_split = st.no_split(slot);
+        match st.best_fit(set, rounded, no_split) {
+            Some(b) => {
+                let (block, addr) = st.take_block(b, rounded, req.size);
+                self.unlock(st, false);
+                Ok(Allocation { block, addr })
+            }
+            None => {
+                drop(st);
+                self.grow(req, rounded)
+            }
         }
-        Ok(a)
+    }
+
+    /// No cached block fits: a new segment, with the out-of-memory ladder (wait for pending
+    /// cross-stream frees, give back the caches, try again; for the default pools, borrow a free
+    /// block of a `use_on_oom` pool), then the report.
+    #[cold]
+    fn grow(&self, req: &Request<'_>, rounded: usize) -> Result<Allocation> {
+        let be = &*self.backend;
+        let small = is_small(rounded);
+        let mut retried = false;
+        loop {
+            let mut st = self.lock();
+            let slot = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
+            let key = (slot, req.stream.key, small);
+            let set = st.set_for(slot, req.stream.key, small);
+            let no_split = st.no_split(slot);
+            // Another thread may have freed a fitting block while the lock was let go.
+            if let Some(b) = st.best_fit(set, rounded, no_split) {
+                let (block, addr) = st.take_block(b, rounded, req.size);
+                self.unlock(st, true);
+                return Ok(Allocation { block, addr });
+            }
+            if st.config.garbage_collection_threshold > 0.0 {
+                st.garbage_collect();
+            }
+            let id = st.pools[slot.get()].spec.id;
+            let granularity = st.pools[slot.get()].spec.granularity;
+            let source = match &st.pools[slot.get()].spec.raw {
+                Some(a) => Source::Pool(a.clone()),
+                None => Source::Backend,
+            };
+            let got = match st.segment_size_for(slot, rounded) {
+                Some(size) if st.within_limit(size) => {
+                    st.growing += size;
+                    self.unlock(st, true);
+                    let keep = (req.keep)();
+                    let r = contain("the pool allocator", || match &source {
+                        Source::Backend => be.alloc_segment(size, req.stream.raw),
+                        Source::Pool(a) => a.alloc(size, be.device(), req.stream.raw),
+                    });
+                    st = self.lock();
+                    st.growing -= size;
+                    Some((r, size, keep))
+                }
+                _ => None,
+            };
+            match got {
+                Some((Ok(addr), size, keep)) if addr != 0 => {
+                    let misaligned = addr % granularity as u64 != 0;
+                    // The free sets pack addresses into 56 bits; no device hands out higher ones.
+                    let too_high = addr.checked_add(size as u64).is_none_or(|end| end > 1 << 56);
+                    // The pool may have been released, and its slot taken, while the lock was let go.
+                    let now = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
+                    let gone = now != slot || st.pools[now.get()].spec.id != id;
+                    if misaligned || too_high || gone {
+                        let why = if misaligned {
+                            Some(format!("returned {addr:#x}, not aligned to its granularity of {granularity} bytes"))
+                        } else if too_high {
+                            Some(format!("returned {addr:#x}, whose segment ends above 2^56"))
+                        } else {
+                            None
+                        };
+                        let err = why.as_ref().map(|w| st.alloc_failed(slot, w.clone()));
+                        drop(st);
+                        self.give_back(&source, addr, size, req.stream, keep);
+                        match err {
+                            Some(e) => return Err(e),
+                            None => continue,
+                        }
+                    }
+                    let block = st.insert_segment(addr, size, key, req.stream, keep, true);
+                    let (block, addr) = st.take_block(block, rounded, req.size);
+                    self.unlock(st, true);
+                    return Ok(Allocation { block, addr });
+                }
+                Some((Err(BackendError::Failed(m)), _, _)) => {
+                    let e = st.alloc_failed(slot, m);
+                    self.unlock(st, false);
+                    return Err(e);
+                }
+                // Out of memory: `Ok(0)`, `Err(OutOfMemory)`, or over the limit.
+                _ => {}
+            }
+            if !retried {
+                retried = true;
+                st.synchronize_events(be);
+                st.stats.num_alloc_retries += 1;
+                // The default pools, released pools and this pool; live user pools keep theirs
+                // (they may be registered, and `use_on_oom` lenders are tried below).
+                st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released || p.spec.id == id);
+                self.unlock(st, true);
+                continue;
+            }
+            if slot == Slot::DEFAULT {
+                if let Some(b) = st.borrow_from_pools(req.stream.key, small, rounded) {
+                    let (block, addr) = st.take_block(b, rounded, req.size);
+                    self.unlock(st, true);
+                    return Ok(Allocation { block, addr });
+                }
+            }
+            let e = st.oom(be, req.size, slot);
+            self.unlock(st, true);
+            return Err(e);
+        }
+    }
+
+    /// Gives back a segment that was never taken into the cache.
+    fn give_back(&self, source: &Source, addr: u64, size: usize, stream: StreamRef, keep: Option<Keep>) {
+        let be = &*self.backend;
+        let r = contain("the segment free", || match source {
+            // SAFETY: `addr`/`size` are exactly what this backend's `alloc_segment` just returned;
+            // nothing has used the segment.
+            Source::Backend => unsafe { be.free_segment(addr, size) },
+            // SAFETY: as above, for the pool's allocator; `keep` keeps `stream` alive for the call.
+            Source::Pool(a) => unsafe { a.free(addr, size, be.device(), stream.raw) },
+        });
+        drop(keep);
+        if let Err(e) = r {
+            let mut st = self.lock();
+            st.error.get_or_insert(Error::Backend {
+                op: "giving back a refused segment",
+                message: format!("{e} (segment {addr:#x}, {size} bytes)"),
+            });
+        }
     }
 
     /// Returns a block from [`malloc`](Self::malloc). Never fails: an error on the way (an event
     /// that could not be recorded) is kept and reported by the next call.
-    pub(crate) fn free(&self, block: u32) {
-        if trace::in_hook() {
-            // The allocator is locked by the dispatch that called this hook: free it later.
-            self.defer(Deferred::Free(block));
-            return;
-        }
+    #[inline]
+    pub(crate) fn free(&self, block: BlockIdx) {
         let mut st = self.lock();
         st.free(&*self.backend, block);
+        self.unlock(st, false);
     }
 
-    /// Notes that `stream` uses the block; returns whether the stream is new to it.
-    pub(crate) fn record_stream(&self, block: u32, stream: StreamId) -> bool {
-        let Ok(mut st) = self.enter() else { return false };
-        let seg_stream = st.segments[st.blocks[block as usize].seg as usize].stream;
-        if stream == seg_stream {
+    /// Notes that `stream` uses the block; returns whether the stream is new to it. `keep` keeps
+    /// the stream alive until the event is recorded at free time.
+    pub(crate) fn record_stream(&self, block: BlockIdx, stream: StreamRef, keep: Option<Keep>) -> bool {
+        let mut st = self.lock();
+        let b = st.block(block);
+        if b.state != BlockState::Allocated || stream.key == st.seg(b.seg).stream.key {
             return false;
         }
-        st.blocks[block as usize].has_uses = true;
+        st.block_mut(block).has_uses = true;
         let uses = st.uses.entry(block).or_default();
-        if uses.contains(&stream) {
+        if uses.iter().any(|u| u.stream.key == stream.key) {
             return false;
         }
-        uses.push(stream);
+        uses.push(state::Use { stream, keep });
         true
     }
 
+    /// The keep-alive of the stream a block's segment serves.
+    pub(crate) fn stream_keep(&self, block: BlockIdx) -> Option<Keep> {
+        let st = self.lock();
+        st.seg(st.block(block).seg).keep.clone()
+    }
+
     /// `alloc_bytes` for FFI users: the pointer is the handle.
-    pub(crate) fn malloc_raw(&self, size: usize, stream: StreamId, pool: PoolRef) -> Result<u64> {
-        if size == 0 {
-            return Ok(0);
-        }
-        let a = self.malloc(size, stream, pool)?;
+    pub(crate) fn malloc_raw(&self, req: &Request<'_>) -> Result<u64> {
+        let a = self.malloc(req)?;
         self.lock().raw.insert(a.addr, a.block);
         Ok(a.addr)
     }
 
     pub(crate) fn free_raw(&self, ptr: u64) -> Result<()> {
-        if ptr == 0 {
-            return Ok(());
-        }
-        let mut st = self.enter()?;
+        let mut st = self.lock();
         match st.raw.remove(&ptr) {
             Some(b) => {
                 st.free(&*self.backend, b);
+                self.unlock(st, false);
                 Ok(())
             }
             None => Err(Error::InvalidFree { ptr, device: self.backend.device() }),
@@ -362,30 +414,32 @@ impl DeviceAllocator {
     }
 
     /// The block of a live raw allocation.
-    pub(crate) fn raw_block(&self, ptr: u64) -> Option<u32> {
+    pub(crate) fn raw_block(&self, ptr: u64) -> Option<BlockIdx> {
         self.lock().raw.get(&ptr).copied()
     }
 
     /// Waits for every pending cross-stream free, then gives back every wholly free segment of the
-    /// default pools and of released pools (live user pools keep theirs: `MemPool::empty_cache`).
+    /// default pools and of released pools (live user pools keep theirs: `MemPool::empty_cache`),
+    /// and tries again the segments whose free failed before.
     pub(crate) fn empty_cache(&self) -> Result<()> {
-        let mut st = self.enter()?;
-        let be = &*self.backend;
-        st.synchronize_events(be);
-        st.release_cached(be, |p| p.spec.id == PoolId::DEFAULT || p.released);
-        st.error.take().map_or(Ok(()), Err)
+        let mut st = self.lock();
+        st.synchronize_events(&*self.backend);
+        st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released);
+        self.unlock(st, true);
+        self.lock().error.take().map_or(Ok(()), Err)
     }
 
     /// Gives back the wholly free segments of one pool.
-    pub(crate) fn empty_pool_cache(&self, slot: u32) -> Result<()> {
-        let mut st = self.enter()?;
-        let be = &*self.backend;
+    pub(crate) fn empty_pool_cache(&self, pool: PoolRef) -> Result<()> {
+        let mut st = self.lock();
         if !st.pending.is_empty() {
-            st.process_events(be);
+            st.process_events(&*self.backend);
         }
-        let id = st.pools[slot as usize].spec.id;
-        st.release_cached(be, |p| p.spec.id == id);
-        st.error.take().map_or(Ok(()), Err)
+        if st.resolve(pool).is_some() {
+            st.release_cached(|p| p.spec.id == pool.id);
+        }
+        self.unlock(st, true);
+        self.lock().error.take().map_or(Ok(()), Err)
     }
 
     pub(crate) fn stats(&self) -> MemoryStats {
@@ -393,22 +447,20 @@ impl DeviceAllocator {
         st.stats.report(st.config.max_split_size)
     }
 
-    pub(crate) fn pool_stats(&self, slot: u32) -> PoolStats {
+    pub(crate) fn pool_stats(&self, pool: PoolRef) -> PoolStats {
         let st = self.lock();
+        let slot = Slot(pool.slot);
         let (mut active, mut inactive) = (0, 0);
         for s in st.segments.iter().filter(|s| s.live && s.pool == slot) {
-            let mut b = s.head;
-            while b != NONE {
-                let blk = &st.blocks[b as usize];
+            for blk in st.blocks_of(s) {
                 match blk.state {
                     BlockState::Free if blk.is_split() => inactive += blk.size,
                     BlockState::Free => {}
                     _ => active += blk.size,
                 }
-                b = blk.next;
             }
         }
-        st.pools[slot as usize].stats.report(active, inactive)
+        st.pools[slot.get()].stats.report(active, inactive)
     }
 
     pub(crate) fn reset_peak_stats(&self) {
@@ -421,7 +473,7 @@ impl DeviceAllocator {
 
     pub(crate) fn set_memory_fraction(&self, fraction: f64) -> Result<()> {
         let config = Config::builder().memory_fraction(fraction).build()?;
-        let mut st = self.enter()?;
+        let mut st = self.lock();
         st.config.memory_fraction = config.memory_fraction;
         st.limit = limit_for(&*self.backend, fraction);
         Ok(())
@@ -436,32 +488,36 @@ impl DeviceAllocator {
         self.lock().error.take()
     }
 
-    /// Adds a user pool; returns its slot.
-    pub(crate) fn register_pool(&self, spec: PoolSpec) -> u32 {
+    /// Adds a user pool; returns its place in the pool table.
+    pub(crate) fn register_pool(&self, spec: PoolSpec) -> PoolRef {
         let mut st = self.lock();
-        let p = PoolState { spec, stats: PoolCounters::default(), segments: 0, released: false, live: true };
-        match st.pools.iter().position(|p| !p.live) {
+        let id = spec.id;
+        let p = state::PoolState {
+            spec,
+            stats: crate::stats::PoolCounters::default(),
+            segments: 0,
+            released: false,
+            live: true,
+        };
+        let slot = match st.pools.iter().position(|p| !p.live) {
             Some(i) => {
                 st.pools[i] = p;
-                i as u32
+                i
             }
             None => {
                 st.pools.push(p);
-                (st.pools.len() - 1) as u32
+                st.pools.len() - 1
             }
-        }
+        };
+        PoolRef { id, slot: slot as u32 }
     }
 
     /// The pool's last handle is gone: its wholly free segments go back now, the others as soon
     /// as they become wholly free.
-    pub(crate) fn release_pool(&self, slot: u32) {
-        if trace::in_hook() {
-            // The allocator is locked by the dispatch that called this hook: release it later.
-            self.defer(Deferred::Release(slot));
-            return;
-        }
+    pub(crate) fn release_pool(&self, pool: PoolRef) {
         let mut st = self.lock();
-        st.release_pool(&*self.backend, slot);
+        st.release_pool(&*self.backend, Slot(pool.slot), pool.id);
+        self.unlock(st, false);
     }
 
     pub(crate) fn snapshot(&self) -> Snapshot {
@@ -470,33 +526,49 @@ impl DeviceAllocator {
             .segments
             .iter()
             .filter(|s| s.live)
-            .map(|s| {
-                let mut blocks = Vec::new();
-                let mut b = s.head;
-                while b != NONE {
-                    let blk = &st.blocks[b as usize];
-                    blocks.push(BlockSnapshot {
+            .map(|s| SegmentSnapshot {
+                address: s.addr,
+                total_size: s.size,
+                stream: s.stream.raw,
+                pool: st.pools[s.pool.get()].spec.id,
+                is_small: s.small,
+                blocks: st
+                    .blocks_of(s)
+                    .map(|blk| BlockSnapshot {
                         address: blk.addr,
                         size: blk.size,
                         requested_size: if blk.state == BlockState::Free { 0 } else { blk.requested },
                         state: blk.state,
-                    });
-                    b = blk.next;
-                }
-                SegmentSnapshot {
-                    address: s.addr,
-                    total_size: s.size,
-                    stream: s.stream,
-                    pool: st.pools[s.pool as usize].spec.id,
-                    is_small: s.small,
-                    blocks,
-                }
+                    })
+                    .collect(),
             })
             .collect();
+        drop(st);
         segments.sort_by_key(|s| s.address);
         let device = self.backend.device();
-        let trace = crate::trace::history(Some(device));
+        let trace = trace::history(Some(self.id));
         Snapshot { device, backend: self.backend.kind(), segments, trace }
+    }
+}
+
+/// Dropping an allocator (host, simulated: the process-wide CUDA ones live for the process)
+/// gives every segment back. No buffer or pool of it exists any more (they hold it), so every
+/// block is free, awaiting events, or an `alloc_bytes` allocation nobody freed: those are freed
+/// too (their addresses were only ever numbers to safe code).
+impl Drop for DeviceAllocator {
+    fn drop(&mut self) {
+        let be = &*self.backend;
+        let mut st = self.lock();
+        let raw: Vec<BlockIdx> = st.raw.drain().map(|(_, b)| b).collect();
+        for b in raw {
+            st.free(be, b);
+        }
+        st.synchronize_events(be);
+        for p in &mut st.pools {
+            p.released = true;
+        }
+        st.release_cached(|_| true);
+        self.unlock(st, true);
     }
 }
 
@@ -505,603 +577,4 @@ fn limit_for(backend: &dyn Backend, fraction: f64) -> Option<usize> {
         return None;
     }
     backend.memory_info().map(|(_, total)| (total as f64 * fraction) as usize)
-}
-
-impl State {
-    fn release_pool(&mut self, be: &dyn Backend, slot: u32) {
-        self.pools[slot as usize].released = true;
-        if !self.pending.is_empty() {
-            self.process_events(be);
-        }
-        let id = self.pools[slot as usize].spec.id;
-        self.release_cached(be, |p| p.spec.id == id);
-        self.retire_pool_if_empty(slot);
-    }
-
-    /// Reports `action` on `block` to the trace hooks (the caller checked `trace::enabled`).
-    fn emit(&self, be: &dyn Backend, action: Action, block: u32) {
-        let b = &self.blocks[block as usize];
-        let stream = self.segments[b.seg as usize].stream;
-        trace::dispatch(action, be.device(), self.pools[b.pool as usize].spec.id, b.addr, b.size, stream);
-    }
-
-    #[inline(always)]
-    fn set_for(&mut self, pool: u32, stream: StreamId, small: bool) -> u32 {
-        let k = (pool, stream, small);
-        if self.last_set.0 == k {
-            return self.last_set.1;
-        }
-        if let Some(&i) = self.set_index.get(&k) {
-            self.last_set = (k, i);
-            return i;
-        }
-        let i = match self.idle_sets.pop() {
-            Some(i) => i,
-            None => {
-                self.sets.push(FreeSet::new());
-                (self.sets.len() - 1) as u32
-            }
-        };
-        self.set_index.insert(k, i);
-        i
-    }
-
-    #[inline(always)]
-    fn new_block(&mut self, b: Block) -> u32 {
-        match self.free_blocks.pop() {
-            Some(i) => {
-                self.blocks[i as usize] = b;
-                i
-            }
-            None => {
-                self.blocks.push(b);
-                (self.blocks.len() - 1) as u32
-            }
-        }
-    }
-
-    /// The best fitting free block of the set, removed from it; PyTorch's rule: the smallest block
-    /// at or above `size`, unless it is an unsplittable oversize block that would waste too much.
-    /// In a `no_split` pool, a block serves only requests within 20 MiB of its size.
-    #[inline(always)]
-    fn best_fit(&mut self, set: u32, size: usize, no_split: bool) -> Option<u32> {
-        let max_split = self.config.max_split_size;
-        let k = self.sets[set as usize].take_best_fit(size, |block| {
-            let whole_only = no_split || size >= max_split;
-            !((size < max_split && block >= max_split) || (whole_only && block >= size + rounding::LARGE_BUFFER))
-        })?;
-        Some(key_idx(k))
-    }
-
-    #[inline(always)]
-    fn no_split(&self, pool: u32) -> bool {
-        pool != 0 && self.pools[pool as usize].spec.no_split
-    }
-
-    #[inline(always)]
-    fn insert_free(&mut self, b: u32) {
-        let blk = &self.blocks[b as usize];
-        self.sets[blk.set as usize].insert(key(blk.size, blk.addr, b));
-    }
-
-    #[inline(always)]
-    fn remove_free(&mut self, b: u32) {
-        let blk = &self.blocks[b as usize];
-        self.sets[blk.set as usize].remove(key(blk.size, blk.addr, b));
-    }
-
-    /// Counts (`+1`) or uncounts (`-1`) a free block in the inactive-split stats.
-    #[inline(always)]
-    fn count_inactive(&mut self, b: u32, add: bool) {
-        let blk = &self.blocks[b as usize];
-        if blk.state != BlockState::Free || !blk.is_split() {
-            return;
-        }
-        let (size, small) = (blk.size, blk.small);
-        if add {
-            self.stats.inactive_split.add(small, 1);
-            self.stats.inactive_split_bytes.add(small, size);
-        } else {
-            self.stats.inactive_split.sub(small, 1);
-            self.stats.inactive_split_bytes.sub(small, size);
-        }
-    }
-
-    /// Hands out `block` (free, out of its set) for a request: splits off the rest if the rules
-    /// say so, and counts it.
-    #[inline]
-    fn take_block(&mut self, block: u32, rounded: usize, requested: usize) -> Allocation {
-        self.count_inactive(block, false);
-        let b = &self.blocks[block as usize];
-        let (small, pool) = (b.small, b.pool);
-        if !self.no_split(pool) && should_split(b.size, rounded, small, self.config.max_split_size) {
-            let rest = Block {
-                addr: b.addr + rounded as u64,
-                size: b.size - rounded,
-                requested: 0,
-                seg: b.seg,
-                prev: block,
-                next: b.next,
-                set: b.set,
-                pool,
-                small,
-                state: BlockState::Free,
-                has_uses: false,
-                pending: 0,
-            };
-            let next = b.next;
-            let r = self.new_block(rest);
-            if next != NONE {
-                self.blocks[next as usize].prev = r;
-            }
-            let b = &mut self.blocks[block as usize];
-            b.next = r;
-            b.size = rounded;
-            self.insert_free(r);
-            self.count_inactive(r, true);
-        }
-        let b = &mut self.blocks[block as usize];
-        b.state = BlockState::Allocated;
-        b.requested = requested;
-        let (size, addr) = (b.size, b.addr);
-        let oversize = size >= self.config.max_split_size;
-        let c = &mut self.stats;
-        c.allocation.add(small, 1);
-        c.allocated_bytes.add(small, size);
-        c.active.add(small, 1);
-        c.active_bytes.add(small, size);
-        c.requested_bytes.add(small, requested);
-        if oversize {
-            c.oversize_allocations.add(false, 1);
-        }
-        if pool != 0 {
-            let p = &mut self.pools[pool as usize].stats;
-            p.allocation.add(1);
-            p.allocated_bytes.add(size);
-            p.requested_bytes.add(requested);
-        }
-        Allocation { block, addr }
-    }
-
-    /// Allocates a segment for a request no cached block could serve; on out-of-memory, waits for
-    /// pending frees, gives back the caches of every pool and tries once more; then, for the
-    /// default pools, borrows a free block of a `use_on_oom` pool.
-    fn new_segment(
-        &mut self,
-        be: &dyn Backend,
-        requested: usize,
-        rounded: usize,
-        set: u32,
-        key: SetKey,
-    ) -> Result<u32> {
-        let (pool, stream, small) = key;
-        let spec = &self.pools[pool as usize].spec;
-        let size = if spec.no_split { rounded } else { segment_size(rounded) }.next_multiple_of(spec.granularity);
-        if self.config.garbage_collection_threshold > 0.0 {
-            self.garbage_collect(be);
-        }
-        let addr = match self.raw_alloc(be, size, key) {
-            Ok(a) => a,
-            Err(Error::OutOfMemory(_)) => {
-                self.synchronize_events(be);
-                if let Some(b) = self.best_fit(set, rounded, self.no_split(pool)) {
-                    return Ok(b);
-                }
-                // The default pools, released pools and this pool; live user pools keep theirs
-                // (they may be registered, and `use_on_oom` lenders are tried below).
-                let requester = self.pools[pool as usize].spec.id;
-                self.release_cached(be, |p| p.spec.id == PoolId::DEFAULT || p.released || p.spec.id == requester);
-                self.stats.num_alloc_retries += 1;
-                match self.raw_alloc(be, size, key) {
-                    Ok(a) => a,
-                    Err(Error::OutOfMemory(_)) => {
-                        if pool == 0 {
-                            if let Some(b) = self.borrow_from_pools(stream, small, rounded) {
-                                return Ok(b);
-                            }
-                        }
-                        return Err(self.oom(be, requested, pool));
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-            Err(e) => return Err(e),
-        };
-        let seg = Segment { addr, size, stream, pool, small, head: NONE, freed_at: 0, live: true };
-        let seg_idx = match self.free_segments.pop() {
-            Some(i) => {
-                self.segments[i as usize] = seg;
-                i
-            }
-            None => {
-                self.segments.push(seg);
-                (self.segments.len() - 1) as u32
-            }
-        };
-        let block = self.new_block(Block {
-            addr,
-            size,
-            requested: 0,
-            seg: seg_idx,
-            prev: NONE,
-            next: NONE,
-            set,
-            pool,
-            small,
-            state: BlockState::Free,
-            has_uses: false,
-            pending: 0,
-        });
-        self.segments[seg_idx as usize].head = block;
-        self.count_segment(pool, small, size, true);
-        if trace::enabled() {
-            self.emit(be, Action::SegmentAlloc, block);
-        }
-        Ok(block)
-    }
-
-    /// A free block of a `use_on_oom` pool for a default-pool request (it stays in its pool).
-    fn borrow_from_pools(&mut self, stream: StreamId, small: bool, rounded: usize) -> Option<u32> {
-        let lenders: Vec<u32> = (1..self.pools.len() as u32)
-            .filter(|&p| self.pools[p as usize].live && self.pools[p as usize].spec.use_on_oom)
-            .collect();
-        for p in lenders {
-            if let Some(&set) = self.set_index.get(&(p, stream, small)) {
-                if let Some(b) = self.best_fit(set, rounded, self.no_split(p)) {
-                    return Some(b);
-                }
-            }
-        }
-        None
-    }
-
-    fn oom(&mut self, be: &dyn Backend, requested: usize, pool: u32) -> Error {
-        self.stats.num_ooms += 1;
-        self.pools[pool as usize].stats.num_ooms += 1;
-        if trace::enabled() {
-            trace::dispatch(Action::Oom, be.device(), self.pools[pool as usize].spec.id, 0, requested, StreamId(0));
-        }
-        let (free, total) = be.memory_info().unzip();
-        let spec = &self.pools[pool as usize].spec;
-        Error::OutOfMemory(Box::new(OomReport {
-            device: be.device(),
-            backend: be.kind(),
-            requested,
-            device_total: total,
-            device_free: free,
-            allocated: self.stats.allocated_bytes.current() as usize,
-            reserved: self.stats.reserved_bytes.current() as usize,
-            limit: self.limit,
-            pool: (pool != 0).then(|| (spec.id.0, spec.name.clone())),
-        }))
-    }
-
-    /// A segment from the pool's allocator or the backend; `Error::OutOfMemory` (with an empty
-    /// report, filled in by the caller) when there is no memory or the memory-fraction limit
-    /// would be passed.
-    fn raw_alloc(&mut self, be: &dyn Backend, size: usize, (pool, stream, _): SetKey) -> Result<u64> {
-        let no_memory = || Error::OutOfMemory(Box::new(OomReport::empty()));
-        if let Some(limit) = self.limit {
-            if self.stats.reserved_bytes.current() as usize + size > limit {
-                return Err(no_memory());
-            }
-        }
-        let spec = &self.pools[pool as usize].spec;
-        let r = match &spec.raw {
-            Some(raw) => raw.alloc(size, be.device(), stream),
-            None => be.alloc_segment(size, stream),
-        };
-        let addr = match r {
-            Ok(0) | Err(BackendError::OutOfMemory) => return Err(no_memory()),
-            Ok(a) => a,
-            Err(BackendError::Failed(m)) => return Err(self.alloc_failed(pool, m)),
-        };
-        let misaligned = addr % spec.granularity as u64 != 0;
-        if misaligned || addr >= 1 << 56 {
-            // The free sets pack addresses into 56 bits; no device hands out higher ones today.
-            let _ = match &spec.raw {
-                Some(raw) => raw.free(addr, size, be.device(), stream),
-                None => be.free_segment(addr, size),
-            };
-            let why = if misaligned {
-                format!("returned {addr:#x}, not aligned to its granularity of {} bytes", spec.granularity)
-            } else {
-                format!("returned {addr:#x}, above 2^56")
-            };
-            return Err(self.alloc_failed(pool, why));
-        }
-        Ok(addr)
-    }
-
-    fn alloc_failed(&self, pool: u32, message: String) -> Error {
-        let spec = &self.pools[pool as usize].spec;
-        match spec.raw {
-            Some(_) => Error::PoolAllocator { pool: spec.id.0, allocator: spec.name.clone(), message },
-            None => Error::Backend { op: "segment allocation", message },
-        }
-    }
-
-    #[inline]
-    fn free(&mut self, be: &dyn Backend, block: u32) {
-        let b = &mut self.blocks[block as usize];
-        debug_assert_eq!(b.state, BlockState::Allocated);
-        let (size, requested, small, pool) = (b.size, b.requested, b.small, b.pool);
-        let uses = if b.has_uses {
-            b.has_uses = false;
-            self.uses.remove(&block).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        let oversize = size >= self.config.max_split_size;
-        let c = &mut self.stats;
-        c.allocation.sub(small, 1);
-        c.allocated_bytes.sub(small, size);
-        c.requested_bytes.sub(small, requested);
-        if oversize {
-            c.oversize_allocations.sub(false, 1);
-        }
-        if pool != 0 {
-            let p = &mut self.pools[pool as usize].stats;
-            p.allocation.sub(1);
-            p.allocated_bytes.sub(size);
-            p.requested_bytes.sub(requested);
-        }
-        if trace::enabled() {
-            self.emit(be, Action::FreeRequested, block);
-        }
-        if uses.is_empty() {
-            self.free_block(be, block);
-            return;
-        }
-        self.blocks[block as usize].state = BlockState::AwaitingStreams;
-        for stream in uses {
-            match be.record_event(stream) {
-                Ok(ev) => {
-                    self.pending.push((ev, block));
-                    self.blocks[block as usize].pending += 1;
-                }
-                Err(e) => {
-                    // Without an event there is no telling when the other stream is done with the
-                    // block: it stays out of circulation rather than risk handing it out early.
-                    self.error.get_or_insert(Error::Backend {
-                        op: "recording a cross-stream event",
-                        message: format!("{e}; block {:#x} is held back", self.blocks[block as usize].addr),
-                    });
-                }
-            }
-        }
-    }
-
-    /// Makes a block free, merging it with free neighbours, and files it in its set. A wholly free
-    /// segment of a released pool goes back at once.
-    #[inline]
-    fn free_block(&mut self, be: &dyn Backend, block: u32) {
-        if trace::enabled() {
-            self.emit(be, Action::FreeCompleted, block);
-        }
-        let b = &mut self.blocks[block as usize];
-        let (small, size, pool) = (b.small, b.size, b.pool);
-        b.state = BlockState::Free;
-        b.requested = 0;
-        b.pending = 0;
-        self.stats.active.sub(small, 1);
-        self.stats.active_bytes.sub(small, size);
-        let mut cur = block;
-        let prev = self.blocks[cur as usize].prev;
-        if prev != NONE && self.blocks[prev as usize].state == BlockState::Free {
-            self.count_inactive(prev, false);
-            self.remove_free(prev);
-            self.merge_next_into(prev);
-            cur = prev;
-        }
-        let next = self.blocks[cur as usize].next;
-        if next != NONE && self.blocks[next as usize].state == BlockState::Free {
-            self.count_inactive(next, false);
-            self.remove_free(next);
-            self.merge_next_into(cur);
-        }
-        self.insert_free(cur);
-        self.count_inactive(cur, true);
-        let b = &self.blocks[cur as usize];
-        if !b.is_split() {
-            let seg = b.seg;
-            self.segments[seg as usize].freed_at = self.tick;
-            if pool != 0 && self.pools[pool as usize].released {
-                self.release_segment(be, seg);
-                self.retire_pool_if_empty(pool);
-            }
-        }
-    }
-
-    /// Merges `b`'s successor into `b`; neither may be in a set.
-    #[inline(always)]
-    fn merge_next_into(&mut self, b: u32) {
-        let n = self.blocks[b as usize].next;
-        let (nsize, nnext) = (self.blocks[n as usize].size, self.blocks[n as usize].next);
-        self.blocks[b as usize].size += nsize;
-        self.blocks[b as usize].next = nnext;
-        if nnext != NONE {
-            self.blocks[nnext as usize].prev = b;
-        }
-        self.free_blocks.push(n);
-    }
-
-    /// Frees the blocks whose cross-stream events have all completed.
-    fn process_events(&mut self, be: &dyn Backend) {
-        let pending = std::mem::take(&mut self.pending);
-        for (ev, block) in pending {
-            match be.query_event(ev) {
-                Ok(true) => self.event_done(be, ev, block),
-                Ok(false) => self.pending.push((ev, block)),
-                Err(e) => {
-                    self.error
-                        .get_or_insert(Error::Backend { op: "querying a cross-stream event", message: e.to_string() });
-                    self.pending.push((ev, block));
-                }
-            }
-        }
-    }
-
-    /// Waits for every pending cross-stream event and frees their blocks.
-    fn synchronize_events(&mut self, be: &dyn Backend) {
-        self.stats.num_sync_all_streams += 1;
-        let pending = std::mem::take(&mut self.pending);
-        for (ev, block) in pending {
-            match be.synchronize_event(ev) {
-                Ok(()) => self.event_done(be, ev, block),
-                Err(e) => {
-                    self.error.get_or_insert(Error::Backend {
-                        op: "waiting for a cross-stream event",
-                        message: e.to_string(),
-                    });
-                    self.pending.push((ev, block));
-                }
-            }
-        }
-    }
-
-    fn event_done(&mut self, be: &dyn Backend, ev: EventId, block: u32) {
-        be.release_event(ev);
-        let b = &mut self.blocks[block as usize];
-        b.pending -= 1;
-        if b.pending == 0 {
-            self.free_block(be, block);
-        }
-    }
-
-    /// Whether segment `seg` is live and wholly free.
-    fn wholly_free(&self, seg: usize) -> bool {
-        let s = &self.segments[seg];
-        s.live && {
-            let b = &self.blocks[s.head as usize];
-            b.state == BlockState::Free && !b.is_split()
-        }
-    }
-
-    /// Gives back every wholly free segment of the pools `which` selects.
-    fn release_cached(&mut self, be: &dyn Backend, which: impl Fn(&PoolState) -> bool) {
-        for seg in 0..self.segments.len() {
-            if self.wholly_free(seg) && which(&self.pools[self.segments[seg].pool as usize]) {
-                self.release_segment(be, seg as u32);
-            }
-        }
-        for slot in 1..self.pools.len() as u32 {
-            self.retire_pool_if_empty(slot);
-        }
-    }
-
-    /// Frees a released pool's slot once its last segment is gone.
-    fn retire_pool_if_empty(&mut self, slot: u32) {
-        let p = &mut self.pools[slot as usize];
-        if slot != 0 && p.live && p.released && p.segments == 0 {
-            p.live = false;
-            p.spec.raw = None;
-            // Its free sets are empty: keep them for reuse, and forget whose they were.
-            let idle = &mut self.idle_sets;
-            self.set_index.retain(|k, i| {
-                let keep = k.0 != slot;
-                if !keep {
-                    idle.push(*i);
-                }
-                keep
-            });
-            self.last_set = ((u32::MAX, StreamId(u64::MAX), false), 0);
-        }
-    }
-
-    /// Gives a wholly free segment back through its pool's free function (or the backend), after
-    /// telling the trace hooks. If the free fails, the segment stays cached (still counted as
-    /// reserved) and the error is kept for the next call.
-    fn release_segment(&mut self, be: &dyn Backend, seg: u32) {
-        let (addr, size, small, pool, stream, head) = {
-            let s = &self.segments[seg as usize];
-            (s.addr, s.size, s.small, s.pool, s.stream, s.head)
-        };
-        if trace::enabled() {
-            self.emit(be, Action::SegmentFree, head);
-        }
-        let r = match &self.pools[pool as usize].spec.raw {
-            Some(raw) => raw.free(addr, size, be.device(), stream),
-            None => be.free_segment(addr, size),
-        };
-        if let Err(e) = r {
-            let spec = &self.pools[pool as usize].spec;
-            self.error.get_or_insert(match spec.raw {
-                Some(_) => Error::PoolAllocator {
-                    pool: spec.id.0,
-                    allocator: spec.name.clone(),
-                    message: format!("free of segment {addr:#x} ({size} bytes) failed: {e}"),
-                },
-                None => {
-                    Error::Backend { op: "segment free", message: format!("{e} (segment {addr:#x}, {size} bytes)") }
-                }
-            });
-            return;
-        }
-        self.remove_free(head);
-        self.free_blocks.push(head);
-        let s = &mut self.segments[seg as usize];
-        s.live = false;
-        s.head = NONE;
-        self.free_segments.push(seg);
-        self.count_segment(pool, small, size, false);
-    }
-
-    /// Counts a segment obtained (`added`) or given back, for the device and its pool.
-    fn count_segment(&mut self, pool: u32, small: bool, size: usize, added: bool) {
-        let oversize = size >= self.config.max_split_size;
-        let (c, p) = (&mut self.stats, &mut self.pools[pool as usize]);
-        if added {
-            p.segments += 1;
-            c.segment.add(small, 1);
-            c.reserved_bytes.add(small, size);
-            c.num_device_alloc += 1;
-            if oversize {
-                c.oversize_segments.add(false, 1);
-            }
-            p.stats.segment.add(1);
-            p.stats.reserved_bytes.add(size);
-            p.stats.num_device_alloc += 1;
-        } else {
-            p.segments -= 1;
-            c.segment.sub(small, 1);
-            c.reserved_bytes.sub(small, size);
-            c.num_device_free += 1;
-            if oversize {
-                c.oversize_segments.sub(false, 1);
-            }
-            p.stats.segment.sub(1);
-            p.stats.reserved_bytes.sub(size);
-            p.stats.num_device_free += 1;
-        }
-    }
-
-    /// With `garbage_collection_threshold` set: once reserved memory passes that fraction of the
-    /// limit, gives back wholly free segments that have been free at least as long as the average
-    /// one, oldest first, until reserved memory is back under the threshold.
-    fn garbage_collect(&mut self, be: &dyn Backend) {
-        let Some(limit) = self.limit else { return };
-        let threshold = (self.config.garbage_collection_threshold * limit as f64) as usize;
-        let reserved = |st: &State| st.stats.reserved_bytes.current() as usize;
-        if reserved(self) <= threshold {
-            return;
-        }
-        let mut free: Vec<(u64, u32)> = (0..self.segments.len())
-            .filter(|&s| self.wholly_free(s))
-            .map(|s| (self.segments[s].freed_at, s as u32))
-            .collect();
-        if free.is_empty() {
-            return;
-        }
-        let avg_age = free.iter().map(|(t, _)| self.tick - t).sum::<u64>() / free.len() as u64;
-        free.sort_unstable();
-        for (t, seg) in free {
-            if reserved(self) <= threshold {
-                break;
-            }
-            if self.tick - t >= avg_age {
-                self.release_segment(be, seg);
-            }
-        }
-    }
 }

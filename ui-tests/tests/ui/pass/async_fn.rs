@@ -17,7 +17,7 @@ fn require_send<F: Future + Send>(f: F) -> F {
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(64 << 20));
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     let mut f = Box::pin(require_send(load(alloc, pool.clone())));
     let r = f.as_mut().poll(&mut Context::from_waker(Waker::noop()));
     assert!(matches!(r, Poll::Ready(Ok(64))));

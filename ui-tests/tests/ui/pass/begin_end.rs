@@ -17,7 +17,7 @@ fn step(alloc: &Allocator<Sim>, a: &MemPool<Sim>, b: &MemPool<Sim>) -> mempool::
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(64 << 20));
-    let (a, b) = (MemPool::on(&alloc, PoolOptions::new()), MemPool::on(&alloc, PoolOptions::new()));
+    let (a, b) = (MemPool::on(&alloc, PoolOptions::new()).unwrap(), MemPool::on(&alloc, PoolOptions::new()).unwrap());
     step(&alloc, &a, &b).unwrap();
     assert_eq!(a.memory_stats().allocation.allocated, 1);
     assert_eq!(b.memory_stats().allocation.allocated, 3);

@@ -5,7 +5,7 @@ use mempool::{pool_scope, Allocator, MemPool, PoolOptions};
 fn main() -> mempool::Result<()> {
     let sim = SimDevice::new(64 << 20);
     let alloc = Allocator::sim(sim.clone());
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     let n = pool_scope!(pool => { alloc.alloc::<u8>(10)?.len() });
     assert_eq!(n, 10);
     let side = sim.new_stream();

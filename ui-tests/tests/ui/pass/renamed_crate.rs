@@ -19,7 +19,7 @@ fn pairs(alloc: &Allocator<Sim>, pool: &MemPool<Sim>) {
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(64 << 20));
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     work(&alloc, &pool);
     pairs(&alloc, &pool);
     let n = deps::gpu_memory::pool_scope!(pool, crate = deps::gpu_memory => { alloc.alloc::<u8>(1).unwrap().len() });

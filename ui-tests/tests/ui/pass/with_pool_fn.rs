@@ -23,7 +23,7 @@ impl Model {
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(64 << 20));
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     assert_eq!(work(&alloc, &pool).unwrap(), 100);
     let m = Model { alloc: alloc.clone(), pool: pool.clone() };
     m.forward().unwrap();

@@ -6,6 +6,6 @@ use mempool::pool_scope;
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(1 << 20));
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     pool_scope!(pool { alloc.alloc::<u8>(1).unwrap(); });
 }

@@ -6,7 +6,7 @@ use mempool::pool_scope;
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(1 << 20));
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     pool_scope!(pool => {
         drop(pool);
     });

@@ -12,6 +12,6 @@ fn work(alloc: &Allocator<Sim>, pool: MemPool<Sim>) {
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(1 << 20));
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     work(&alloc, pool);
 }

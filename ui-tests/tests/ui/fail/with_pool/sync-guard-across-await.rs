@@ -11,7 +11,7 @@ fn require_send<F: Future + Send>(_: F) {}
 
 fn main() {
     let alloc = Allocator::sim(SimDevice::new(1 << 20));
-    let pool = MemPool::on(&alloc, PoolOptions::new());
+    let pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     require_send(async move {
         let _scope = pool.scope();
         tick().await;

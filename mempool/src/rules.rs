@@ -1,6 +1,5 @@
-//! Size rules, as PyTorch's CUDACachingAllocator has them.
-
-use crate::config::Config;
+//! Size rules, as PyTorch's CUDACachingAllocator has them: pure functions of sizes, imported by
+//! the configuration and the caching algorithm alike.
 
 /// Every block size is a multiple of this (and at least this).
 pub const MIN_BLOCK_SIZE: usize = 512;
@@ -17,30 +16,42 @@ pub const ROUND_LARGE: usize = 2 << 20;
 /// Number of power-of-two intervals `roundup_power2_divisions` can set, from 1 MiB up.
 pub const POWER2_INTERVALS: usize = 16;
 
-/// The block size a request of `size` bytes gets.
-pub fn round_size(size: usize, config: &Config) -> usize {
+/// Largest block the caching algorithm handles (1 TiB - 512 B, the largest multiple of 512 that
+/// its packed free-set keys hold); larger requests are refused as out-of-memory.
+pub const MAX_BLOCK: usize = (1 << 40) - MIN_BLOCK_SIZE;
+
+/// The block size a request of `size` bytes gets with `divisions` round-up steps per power of
+/// two ([`divisions_index`] picks the configured value); `None` when it would pass [`MAX_BLOCK`].
+pub fn round_size(size: usize, divisions: usize) -> Option<usize> {
     if size < MIN_BLOCK_SIZE {
-        return MIN_BLOCK_SIZE;
+        return Some(MIN_BLOCK_SIZE);
     }
-    let divisions = config.divisions_for(size);
-    if divisions > 1 && size > MIN_BLOCK_SIZE * divisions {
-        next_division(size, divisions)
+    let rounded = if divisions > 1 && MIN_BLOCK_SIZE.checked_mul(divisions).is_some_and(|m| size > m) {
+        next_division(size, divisions)?
     } else {
-        size.next_multiple_of(MIN_BLOCK_SIZE)
-    }
+        size.checked_next_multiple_of(MIN_BLOCK_SIZE)?
+    };
+    (rounded <= MAX_BLOCK).then_some(rounded)
+}
+
+/// Which power-of-two interval (from 1 MiB up, the last one open) a request of `size` bytes
+/// falls in, for `roundup_power2_divisions`.
+pub fn divisions_index(size: usize) -> usize {
+    let log = usize::BITS as usize - 1 - size.max(1).leading_zeros() as usize;
+    log.saturating_sub(20).min(POWER2_INTERVALS - 1)
 }
 
 /// Rounds `size` up to the next of `divisions` equal steps between the powers of two around it.
-fn next_division(size: usize, divisions: usize) -> usize {
+fn next_division(size: usize, divisions: usize) -> Option<usize> {
     if size.is_power_of_two() {
-        return size;
+        return Some(size);
     }
     let floor = 1usize << (usize::BITS - 1 - size.leading_zeros());
     let step = floor / divisions;
     if step == 0 {
-        return floor << 1;
+        return floor.checked_mul(2);
     }
-    size.next_multiple_of(step)
+    size.checked_next_multiple_of(step)
 }
 
 /// Whether a block of this (rounded) size lives in the small pool.
@@ -48,7 +59,8 @@ pub fn is_small(size: usize) -> bool {
     size <= SMALL_SIZE
 }
 
-/// The size of the segment to allocate for a block of `size` bytes.
+/// The size of the segment to allocate for a block of `size` bytes (at most [`MAX_BLOCK`], so
+/// the result cannot overflow).
 pub fn segment_size(size: usize) -> usize {
     if size <= SMALL_SIZE {
         SMALL_BUFFER
@@ -73,34 +85,42 @@ pub fn should_split(block: usize, size: usize, small: bool, max_split_size: usiz
 mod tests {
     use super::*;
 
-    fn cfg(div: usize) -> Config {
-        Config::builder().roundup_power2_divisions(div).build().unwrap()
+    /// `round_size` with `div` divisions in every interval.
+    fn r(size: usize, div: usize) -> usize {
+        round_size(size, div).unwrap()
     }
 
     #[test]
     fn rounds_to_512() {
-        let c = Config::default();
-        assert_eq!(round_size(0, &c), 512);
-        assert_eq!(round_size(1, &c), 512);
-        assert_eq!(round_size(512, &c), 512);
-        assert_eq!(round_size(513, &c), 1024);
-        assert_eq!(round_size(1_000_000, &c), 1_000_448);
+        assert_eq!(r(0, 0), 512);
+        assert_eq!(r(1, 0), 512);
+        assert_eq!(r(512, 0), 512);
+        assert_eq!(r(513, 0), 1024);
+        assert_eq!(r(1_000_000, 0), 1_000_448);
     }
 
     #[test]
     fn power2_divisions() {
-        let c = cfg(4);
         // Steps of 256 KiB between 1 MiB and 2 MiB.
-        assert_eq!(round_size((1 << 20) + 1, &c), (1 << 20) + (256 << 10));
-        assert_eq!(round_size(1 << 20, &c), 1 << 20);
-        assert_eq!(round_size(1200 << 10, &c), 1280 << 10);
+        assert_eq!(r((1 << 20) + 1, 4), (1 << 20) + (256 << 10));
+        assert_eq!(r(1 << 20, 4), 1 << 20);
+        assert_eq!(r(1200 << 10, 4), 1280 << 10);
         // At or below 512 * divisions the plain rule applies.
-        assert_eq!(round_size(2000, &c), 2048);
-        assert_eq!(round_size(2049, &c), 2560);
-        assert_eq!(round_size(2100, &c), 2560); // 2048 / 4 = 512-byte steps
-        let c = cfg(8);
-        assert_eq!(round_size(5000, &c), 5120); // 4096 / 8 = 512
-        assert_eq!(round_size(33 << 20, &c), 36 << 20); // 32 MiB / 8 = 4 MiB steps
+        assert_eq!(r(2000, 4), 2048);
+        assert_eq!(r(2049, 4), 2560);
+        assert_eq!(r(2100, 4), 2560); // 2048 / 4 = 512-byte steps
+        assert_eq!(r(5000, 8), 5120); // 4096 / 8 = 512
+        assert_eq!(r(33 << 20, 8), 36 << 20); // 32 MiB / 8 = 4 MiB steps
+    }
+
+    #[test]
+    fn sizes_past_the_largest_block_are_refused_not_wrapped() {
+        // 2^40 - 1 bytes rounds to 2^40: one past the largest block, so refused.
+        assert_eq!(round_size((1 << 40) - 1, 0), None);
+        assert_eq!(round_size(MAX_BLOCK, 0), Some(MAX_BLOCK));
+        assert_eq!(round_size(usize::MAX, 0), None);
+        assert_eq!(round_size(usize::MAX, 1 << 20), None);
+        assert_eq!(round_size(usize::MAX - 5, 4), None);
     }
 
     #[test]

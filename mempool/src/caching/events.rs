@@ -1,0 +1,89 @@
+//! Cross-stream frees: a block another stream used goes back only after an event recorded on
+//! that stream at free time has completed.
+
+use super::state::{BlockIdx, State, Use};
+use crate::backend::Backend;
+use crate::error::Error;
+
+impl State {
+    /// Records an event on every stream that used `block` (now `AwaitingStreams`).
+    pub(super) fn record_uses(&mut self, be: &dyn Backend, block: BlockIdx, uses: Vec<Use>) {
+        for u in uses {
+            // SAFETY: `u.stream` is a stream of this device that is alive: `u.keep` holds it
+            // (CUDA), or the stream is the default stream or a host/sim stream, which never dies.
+            match unsafe { be.record_event(u.stream.raw) } {
+                Ok(ev) => {
+                    self.pending.push((ev, block));
+                    self.block_mut(block).pending += 1;
+                }
+                Err(e) => {
+                    // Without an event there is no telling when the other stream is done with the
+                    // block: it stays out of circulation rather than risk handing it out early.
+                    let addr = self.block(block).addr;
+                    self.error.get_or_insert(Error::Backend {
+                        op: "recording a cross-stream event",
+                        message: format!("{e}; block {addr:#x} is held back"),
+                    });
+                }
+            }
+            // The event holds no reference to the stream: the stream may go now.
+            drop(u.keep);
+        }
+    }
+
+    /// Frees the blocks whose cross-stream events have all completed.
+    pub(super) fn process_events(&mut self, be: &dyn Backend) {
+        let mut i = 0;
+        while i < self.pending.len() {
+            let (ev, block) = self.pending[i];
+            // SAFETY: `ev` came from `record_event` of this backend and is released only below,
+            // when it leaves the pending list.
+            match unsafe { be.query_event(ev) } {
+                Ok(true) => {
+                    self.pending.swap_remove(i);
+                    self.event_done(be, ev, block);
+                }
+                Ok(false) => i += 1,
+                Err(e) => {
+                    self.error
+                        .get_or_insert(Error::Backend { op: "querying a cross-stream event", message: e.to_string() });
+                    i += 1;
+                }
+            }
+        }
+    }
+
+    /// Waits for every pending cross-stream event and frees their blocks.
+    pub(super) fn synchronize_events(&mut self, be: &dyn Backend) {
+        self.stats.num_sync_all_streams += 1;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let (ev, block) = self.pending[i];
+            // SAFETY: as in `process_events`.
+            match unsafe { be.synchronize_event(ev) } {
+                Ok(()) => {
+                    self.pending.swap_remove(i);
+                    self.event_done(be, ev, block);
+                }
+                Err(e) => {
+                    self.error.get_or_insert(Error::Backend {
+                        op: "waiting for a cross-stream event",
+                        message: e.to_string(),
+                    });
+                    i += 1;
+                }
+            }
+        }
+    }
+
+    fn event_done(&mut self, be: &dyn Backend, ev: crate::id::EventId, block: BlockIdx) {
+        // SAFETY: the event came from `record_event` and was just taken off the pending list, so
+        // it is released once and never used again.
+        unsafe { be.release_event(ev) };
+        let b = self.block_mut(block);
+        b.pending -= 1;
+        if b.pending == 0 {
+            self.free_block(block);
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! Segments: taking a new one into the cache, giving wholly free ones back (to the outbox),
+//! garbage collection, the out-of-memory report, and retiring released pools.
+
+use super::state::{Block, Released, SegIdx, Segment, SetKey, Slot, Source, State, Work};
+use crate::backend::{Backend, Keep};
+use crate::error::{Error, OomReport};
+use crate::id::{PoolId, StreamRef};
+use crate::snapshot::BlockState;
+use crate::trace::Action;
+
+impl State {
+    /// The segment size for a block of `rounded` bytes in `pool`; `None` if rounding up to the
+    /// pool's granularity would overflow.
+    pub(super) fn segment_size_for(&self, pool: Slot, rounded: usize) -> Option<usize> {
+        let spec = &self.pools[pool.get()].spec;
+        let size = if spec.no_split { rounded } else { crate::rules::segment_size(rounded) };
+        size.checked_next_multiple_of(spec.granularity)
+    }
+
+    /// Whether `size` more bytes fit under the memory-fraction limit, counting what other threads
+    /// are obtaining right now and what is on its way back.
+    pub(super) fn within_limit(&self, size: usize) -> bool {
+        self.limit.is_none_or(|limit| {
+            let reserved = self.stats.reserved_bytes.current() as usize + self.releasing;
+            reserved.saturating_add(self.growing).saturating_add(size) <= limit
+        })
+    }
+
+    /// Takes a new segment into the cache as one free block in `set`, and tells the hooks.
+    pub(super) fn insert_segment(
+        &mut self,
+        addr: u64,
+        size: usize,
+        (pool, _, small): SetKey,
+        stream: StreamRef,
+        keep: Option<Keep>,
+        fresh: bool,
+    ) -> super::state::BlockIdx {
+        let set = self.set_for(pool, stream.key, small);
+        let seg = Segment { addr, size, stream, keep, pool, small, head: None, freed_at: 0, live: true };
+        let seg_idx = match self.free_segments.pop() {
+            Some(i) => {
+                self.segments[i.0 as usize] = seg;
+                i
+            }
+            None => {
+                self.segments.push(seg);
+                SegIdx((self.segments.len() - 1) as u32)
+            }
+        };
+        let block = self.new_block(Block {
+            addr,
+            size,
+            requested: 0,
+            seg: seg_idx,
+            prev: None,
+            next: None,
+            set,
+            pool,
+            small,
+            state: BlockState::Free,
+            has_uses: false,
+            pending: 0,
+        });
+        self.segments[seg_idx.0 as usize].head = Some(block);
+        self.count_segment(pool, small, size, true, fresh);
+        if fresh {
+            self.pools[pool.get()].segments += 1;
+        }
+        if crate::trace::enabled() {
+            self.emit(Action::SegmentAlloc, block);
+        }
+        block
+    }
+
+    /// Takes a wholly free segment out of the cache and queues it to be given back through its
+    /// pool's free function (or the backend), after the hooks have seen its `SegmentFree`.
+    pub(super) fn release_segment(&mut self, seg: SegIdx) {
+        let s = &mut self.segments[seg.0 as usize];
+        let head = s.head.take().expect("a live segment has a block");
+        s.live = false;
+        let (addr, size, small, pool, stream, keep) = (s.addr, s.size, s.small, s.pool, s.stream, s.keep.take());
+        if crate::trace::enabled() {
+            let id = self.pools[pool.get()].spec.id;
+            self.emit_entry(Action::SegmentFree, id, addr, size, stream.raw);
+        }
+        self.remove_free(head);
+        self.free_blocks.push(head);
+        self.free_segments.push(seg);
+        // The pool keeps counting the segment (and so stays live) until its free is done.
+        self.count_segment(pool, small, size, false, true);
+        let spec = &self.pools[pool.get()].spec;
+        let source = match &spec.raw {
+            Some(raw) => Source::Pool(raw.clone()),
+            None => Source::Backend,
+        };
+        self.releasing += size;
+        let r = Released { addr, size, small, slot: pool, pool: spec.id, stream, _keep: keep, source };
+        self.outbox.push(Work::Free(r));
+    }
+
+    /// A segment is back with its allocator: its pool stops counting it.
+    pub(super) fn freed(&mut self, r: &Released) {
+        self.releasing -= r.size;
+        self.pools[r.slot.get()].segments -= 1;
+        self.retire_pool_if_empty(r.slot);
+    }
+
+    /// A segment whose free failed goes back into its pool's cache as a free segment (announced
+    /// to the hooks again: they saw it go), counted as reserved; its error is kept, and a later
+    /// `empty_cache` tries again.
+    pub(super) fn free_failed(&mut self, r: Released, message: String) {
+        self.releasing -= r.size;
+        self.error.get_or_insert(match &r.source {
+            Source::Pool(a) => Error::PoolAllocator {
+                pool: r.pool.0,
+                allocator: a.name().to_string(),
+                message: format!("free of segment {:#x} ({} bytes) failed: {message}", r.addr, r.size),
+            },
+            Source::Backend => Error::Backend {
+                op: "segment free",
+                message: format!("{message} (segment {:#x}, {} bytes)", r.addr, r.size),
+            },
+        });
+        let block = self.insert_segment(r.addr, r.size, (r.slot, r.stream.key, r.small), r.stream, r._keep, false);
+        self.insert_free(block);
+        let seg = self.block(block).seg;
+        self.segments[seg.0 as usize].freed_at = self.tick;
+    }
+
+    /// Counts a segment obtained (`added`) or given back, for the device and its pool.
+    fn count_segment(&mut self, pool: Slot, small: bool, size: usize, added: bool, device_call: bool) {
+        let oversize = size >= self.config.max_split_size;
+        self.stats.on_segment(small, size, oversize, added, device_call);
+        self.pools[pool.get()].stats.on_segment(size, added, device_call);
+    }
+
+    /// Gives back every wholly free segment of the pools `which` selects.
+    pub(super) fn release_cached(&mut self, which: impl Fn(&super::state::PoolState) -> bool) {
+        for seg in 0..self.segments.len() {
+            if self.wholly_free(seg) && which(&self.pools[self.segments[seg].pool.get()]) {
+                self.release_segment(SegIdx(seg as u32));
+            }
+        }
+        for slot in 1..self.pools.len() as u32 {
+            self.retire_pool_if_empty(Slot(slot));
+        }
+    }
+
+    /// The pool's last handle is gone: its wholly free segments go back now, the others as soon
+    /// as they become wholly free.
+    pub(super) fn release_pool(&mut self, be: &dyn Backend, slot: Slot, id: PoolId) {
+        let p = &mut self.pools[slot.get()];
+        if !p.live || p.spec.id != id {
+            return;
+        }
+        p.released = true;
+        if !self.pending.is_empty() {
+            self.process_events(be);
+        }
+        self.release_cached(|p| p.spec.id == id);
+        self.retire_pool_if_empty(slot);
+    }
+
+    /// Frees a released pool's slot once its last segment is gone.
+    pub(super) fn retire_pool_if_empty(&mut self, slot: Slot) {
+        let p = &mut self.pools[slot.get()];
+        if slot != Slot::DEFAULT && p.live && p.released && p.segments == 0 {
+            p.live = false;
+            p.spec.raw = None;
+            // Its free sets are empty: keep them for reuse, and forget whose they were.
+            let idle = &mut self.idle_sets;
+            self.set_index.retain(|k, i| {
+                let keep = k.0 != slot;
+                if !keep {
+                    idle.push(*i);
+                }
+                keep
+            });
+            self.last_set = None;
+        }
+    }
+
+    /// A free block of a `use_on_oom` pool for a default-pool request (it stays in its pool).
+    pub(super) fn borrow_from_pools(
+        &mut self,
+        stream: crate::id::StreamKey,
+        small: bool,
+        rounded: usize,
+    ) -> Option<super::state::BlockIdx> {
+        let lenders: Vec<Slot> = (1..self.pools.len() as u32)
+            .map(Slot)
+            .filter(|&p| {
+                self.pools[p.get()].live && !self.pools[p.get()].released && self.pools[p.get()].spec.use_on_oom
+            })
+            .collect();
+        for p in lenders {
+            if let Some(&set) = self.set_index.get(&(p, stream, small)) {
+                if let Some(b) = self.best_fit(set, rounded, self.no_split(p)) {
+                    return Some(b);
+                }
+            }
+        }
+        None
+    }
+
+    /// Counts an out-of-memory failure, tells the hooks and builds the report.
+    pub(super) fn oom(&mut self, be: &dyn Backend, requested: usize, pool: Slot) -> Error {
+        self.stats.num_ooms += 1;
+        self.pools[pool.get()].stats.num_ooms += 1;
+        let id = self.pools[pool.get()].spec.id;
+        if crate::trace::enabled() {
+            self.emit_entry(Action::Oom, id, 0, requested, crate::id::StreamId(0));
+        }
+        let (free, total) = be.memory_info().unzip();
+        let spec = &self.pools[pool.get()].spec;
+        Error::OutOfMemory(Box::new(OomReport {
+            device: be.device(),
+            backend: be.kind(),
+            requested,
+            device_total: total,
+            device_free: free,
+            allocated: self.stats.allocated_bytes.current() as usize,
+            reserved: self.stats.reserved_bytes.current() as usize,
+            limit: self.limit,
+            pool: (pool != Slot::DEFAULT).then(|| (spec.id.0, spec.name.clone())),
+        }))
+    }
+
+    pub(super) fn alloc_failed(&self, pool: Slot, message: String) -> Error {
+        let spec = &self.pools[pool.get()].spec;
+        match spec.raw {
+            Some(_) => Error::PoolAllocator { pool: spec.id.0, allocator: spec.name.clone(), message },
+            None => Error::Backend { op: "segment allocation", message },
+        }
+    }
+
+    /// With `garbage_collection_threshold` set: once reserved memory passes that fraction of the
+    /// limit, gives back wholly free segments that have been free at least as long as the average
+    /// one, oldest first, until reserved memory is back under the threshold.
+    pub(super) fn garbage_collect(&mut self) {
+        let Some(limit) = self.limit else { return };
+        let threshold = (self.config.garbage_collection_threshold * limit as f64) as usize;
+        let reserved = |st: &State| st.stats.reserved_bytes.current() as usize;
+        if reserved(self) <= threshold {
+            return;
+        }
+        let mut free: Vec<(u64, u32)> = (0..self.segments.len())
+            .filter(|&s| self.wholly_free(s))
+            .map(|s| (self.segments[s].freed_at, s as u32))
+            .collect();
+        if free.is_empty() {
+            return;
+        }
+        let avg_age = free.iter().map(|(t, _)| self.tick - t).sum::<u64>() / free.len() as u64;
+        free.sort_unstable();
+        for (t, seg) in free {
+            if reserved(self) <= threshold {
+                break;
+            }
+            if self.tick - t >= avg_age {
+                self.release_segment(SegIdx(seg));
+            }
+        }
+    }
+}

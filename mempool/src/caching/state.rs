@@ -1,0 +1,567 @@
+//! The allocator's data behind its lock, and carving: best fit, split, merge, counting.
+//!
+//! Everything here is plain data manipulation: no device call, no user code, no lock. The
+//! device and user code are reached only from `segments.rs` and `events.rs` (backend calls that
+//! cannot be made up: addresses this state holds) and from the work queue of `mod.rs`.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::num::NonZeroU32;
+use std::sync::Arc;
+
+use super::freeset::{key, key_idx, FreeSet};
+use crate::backend::{Keep, RawAllocator};
+use crate::config::Config;
+use crate::error::Error;
+use crate::id::{EventId, PoolId, PoolRef, StreamKey, StreamRef};
+use crate::rules::{self, should_split};
+use crate::snapshot::BlockState;
+use crate::stats::{Counters, PoolCounters};
+use crate::trace::{Action, TraceEntry};
+
+/// A multiply-rotate hasher for the small integer keys of the allocator's maps: SipHash's
+/// resistance to crafted keys buys nothing here and costs a third of an allocation.
+#[derive(Default)]
+pub(super) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+    fn write_u8(&mut self, n: u8) {
+        self.write_u64(u64::from(n));
+    }
+}
+
+pub(super) type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+
+/// A block's index in the slab (stored as index + 1, so `Option<BlockIdx>` is four bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct BlockIdx(NonZeroU32);
+
+impl BlockIdx {
+    fn new(i: usize) -> BlockIdx {
+        let n = u32::try_from(i + 1).expect("more than 2^32 blocks");
+        BlockIdx(NonZeroU32::new(n).expect("i + 1 > 0"))
+    }
+    #[inline(always)]
+    pub(super) fn get(self) -> usize {
+        self.0.get() as usize - 1
+    }
+    /// For the free-set keys, which hold the index in 32 bits.
+    #[inline(always)]
+    pub(super) fn to_key(self) -> u32 {
+        self.0.get()
+    }
+    #[inline(always)]
+    pub(super) fn from_key(k: u32) -> BlockIdx {
+        BlockIdx(NonZeroU32::new(k).expect("free-set keys hold index + 1"))
+    }
+}
+
+/// A segment's index in the segment table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct SegIdx(pub(super) u32);
+
+/// A free set's index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct SetIdx(pub(super) u32);
+
+/// A pool's slot in the pool table (0: the default pools).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct Slot(pub(super) u32);
+
+impl Slot {
+    pub(super) const DEFAULT: Slot = Slot(0);
+    #[inline(always)]
+    pub(super) fn get(self) -> usize {
+        self.0 as usize
+    }
+}
+
+/// What a user pool brings: where its memory comes from and how it is carved.
+pub(crate) struct PoolSpec {
+    pub(crate) id: PoolId,
+    pub(crate) raw: Option<Arc<dyn RawAllocator>>,
+    pub(crate) use_on_oom: bool,
+    pub(crate) no_split: bool,
+    pub(crate) granularity: usize,
+    pub(crate) name: String,
+}
+
+impl std::fmt::Debug for PoolSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PoolSpec").field("id", &self.id).field("name", &self.name).finish()
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct PoolState {
+    pub(super) spec: PoolSpec,
+    pub(super) stats: PoolCounters,
+    pub(super) segments: usize,
+    /// Its last handle is gone: segments go back as soon as they are wholly free.
+    pub(super) released: bool,
+    /// The slot is in use (a released pool's slot is reused once its last segment is gone).
+    pub(super) live: bool,
+}
+
+#[derive(Debug)]
+pub(super) struct Block {
+    pub(super) addr: u64,
+    pub(super) size: usize,
+    pub(super) requested: usize,
+    pub(super) seg: SegIdx,
+    pub(super) prev: Option<BlockIdx>,
+    pub(super) next: Option<BlockIdx>,
+    /// Its segment's free set, pool slot and kind (copies, so the hot path needs no segment
+    /// lookup).
+    pub(super) set: SetIdx,
+    pub(super) pool: Slot,
+    pub(super) small: bool,
+    pub(super) state: BlockState,
+    /// Whether `State::uses` lists other streams that used it.
+    pub(super) has_uses: bool,
+    /// Events still to complete before the block is free.
+    pub(super) pending: u32,
+}
+
+impl Block {
+    pub(super) fn is_split(&self) -> bool {
+        self.prev.is_some() || self.next.is_some()
+    }
+}
+
+#[derive(Debug)]
+pub(super) struct Segment {
+    pub(super) addr: u64,
+    pub(super) size: usize,
+    pub(super) stream: StreamRef,
+    /// Keeps the segment's stream alive while the segment exists: its blocks are reused in that
+    /// stream's order, and events and frees are recorded on it.
+    pub(super) keep: Option<Keep>,
+    pub(super) pool: Slot,
+    pub(super) small: bool,
+    pub(super) head: Option<BlockIdx>,
+    /// The allocation tick at which the segment last became wholly free (for garbage collection).
+    pub(super) freed_at: u64,
+    pub(super) live: bool,
+}
+
+/// Another stream that used a block, kept alive until its event is recorded.
+#[derive(Debug)]
+pub(super) struct Use {
+    pub(super) stream: StreamRef,
+    pub(super) keep: Option<Keep>,
+}
+
+pub(super) type SetKey = (Slot, StreamKey, bool);
+
+/// Where a segment's memory goes back to.
+#[derive(Clone)]
+pub(super) enum Source {
+    Backend,
+    Pool(Arc<dyn RawAllocator>),
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Backend => f.write_str("Backend"),
+            Source::Pool(a) => write!(f, "Pool({})", a.name()),
+        }
+    }
+}
+
+/// A segment taken out of the cache, to be given back outside the lock (after the hooks have
+/// seen its `SegmentFree`).
+#[derive(Debug)]
+pub(super) struct Released {
+    pub(super) addr: u64,
+    pub(super) size: usize,
+    pub(super) small: bool,
+    pub(super) slot: Slot,
+    pub(super) pool: PoolId,
+    pub(super) stream: StreamRef,
+    /// Held for the stream's sake until the segment is given back.
+    pub(super) _keep: Option<Keep>,
+    pub(super) source: Source,
+}
+
+/// Work for outside the lock, in the order the state produced it.
+#[derive(Debug)]
+pub(super) enum Work {
+    /// Deliver an event to the history and the hooks.
+    Event(TraceEntry),
+    /// Give a segment back.
+    Free(Released),
+}
+
+/// Everything behind the allocator's lock.
+#[derive(Debug)]
+pub(super) struct State {
+    pub(super) config: Config,
+    pub(super) limit: Option<usize>,
+    pub(super) blocks: Vec<Block>,
+    pub(super) free_blocks: Vec<BlockIdx>,
+    pub(super) segments: Vec<Segment>,
+    pub(super) free_segments: Vec<SegIdx>,
+    pub(super) sets: Vec<FreeSet>,
+    /// Sets of retired pools (empty), for reuse: short-lived pools must not grow the table.
+    pub(super) idle_sets: Vec<SetIdx>,
+    pub(super) set_index: IdMap<SetKey, SetIdx>,
+    /// The set of the last allocation: most programs allocate on one stream at a time.
+    pub(super) last_set: Option<(SetKey, SetIdx)>,
+    /// Pool table; slot 0 is the default pools.
+    pub(super) pools: Vec<PoolState>,
+    pub(super) pending: Vec<(EventId, BlockIdx)>,
+    pub(super) raw: IdMap<u64, BlockIdx>,
+    /// Streams other than its segment's that used a block (only blocks with `has_uses`).
+    pub(super) uses: IdMap<BlockIdx, Vec<Use>>,
+    pub(super) stats: Counters,
+    pub(super) tick: u64,
+    pub(super) error: Option<Error>,
+    /// Events and segment frees for outside the lock (see `DeviceAllocator::flush`).
+    pub(super) outbox: Vec<Work>,
+    /// Bytes being obtained from the device right now, outside the lock.
+    pub(super) growing: usize,
+    /// Bytes taken out of the cache and not yet given back (in the outbox or being freed).
+    pub(super) releasing: usize,
+    /// The allocator's id, for trace entries.
+    pub(super) allocator: crate::id::AllocatorId,
+    pub(super) device: usize,
+}
+
+impl State {
+    pub(super) fn new(
+        config: Config,
+        limit: Option<usize>,
+        default_pool: PoolSpec,
+        allocator: crate::id::AllocatorId,
+        device: usize,
+    ) -> State {
+        State {
+            config,
+            limit,
+            blocks: Vec::new(),
+            free_blocks: Vec::new(),
+            segments: Vec::new(),
+            free_segments: Vec::new(),
+            sets: Vec::new(),
+            idle_sets: Vec::new(),
+            set_index: IdMap::default(),
+            last_set: None,
+            pools: vec![PoolState {
+                spec: default_pool,
+                stats: PoolCounters::default(),
+                segments: 0,
+                released: false,
+                live: true,
+            }],
+            pending: Vec::new(),
+            raw: IdMap::default(),
+            uses: IdMap::default(),
+            stats: Counters::default(),
+            tick: 0,
+            error: None,
+            outbox: Vec::new(),
+            growing: 0,
+            releasing: 0,
+            allocator,
+            device,
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn block(&self, b: BlockIdx) -> &Block {
+        &self.blocks[b.get()]
+    }
+
+    #[inline(always)]
+    pub(super) fn block_mut(&mut self, b: BlockIdx) -> &mut Block {
+        &mut self.blocks[b.get()]
+    }
+
+    #[inline(always)]
+    pub(super) fn seg(&self, s: SegIdx) -> &Segment {
+        &self.segments[s.0 as usize]
+    }
+
+    /// The slot a pool reference names, if that pool is still the one in it and takes
+    /// allocations: a scope that outlived its pool (`mem::forget`) must never reach the pool
+    /// that took over the slot, nor a released one.
+    #[inline(always)]
+    pub(super) fn resolve(&self, pool: PoolRef) -> Option<Slot> {
+        if pool.slot == 0 {
+            return Some(Slot::DEFAULT);
+        }
+        let p = self.pools.get(pool.slot as usize)?;
+        (p.live && !p.released && p.spec.id == pool.id).then_some(Slot(pool.slot))
+    }
+
+    /// Queues `action` on `block` for the trace hooks (the caller checked `trace::enabled`).
+    pub(super) fn emit(&mut self, action: Action, block: BlockIdx) {
+        let b = self.block(block);
+        let stream = self.seg(b.seg).stream.raw;
+        let (pool, addr, size) = (self.pools[b.pool.get()].spec.id, b.addr, b.size);
+        self.emit_entry(action, pool, addr, size, stream);
+    }
+
+    pub(super) fn emit_entry(
+        &mut self,
+        action: Action,
+        pool: PoolId,
+        addr: u64,
+        size: usize,
+        stream: crate::id::StreamId,
+    ) {
+        let e = TraceEntry::new(action, self.allocator, self.device, pool, addr, size, stream);
+        self.outbox.push(Work::Event(e));
+    }
+
+    #[inline(always)]
+    pub(super) fn set_for(&mut self, pool: Slot, stream: StreamKey, small: bool) -> SetIdx {
+        let k = (pool, stream, small);
+        if let Some((lk, i)) = self.last_set {
+            if lk == k {
+                return i;
+            }
+        }
+        let i = match self.set_index.get(&k) {
+            Some(&i) => i,
+            None => {
+                let i = match self.idle_sets.pop() {
+                    Some(i) => i,
+                    None => {
+                        self.sets.push(FreeSet::new());
+                        SetIdx((self.sets.len() - 1) as u32)
+                    }
+                };
+                self.set_index.insert(k, i);
+                i
+            }
+        };
+        self.last_set = Some((k, i));
+        i
+    }
+
+    #[inline(always)]
+    pub(super) fn new_block(&mut self, b: Block) -> BlockIdx {
+        match self.free_blocks.pop() {
+            Some(i) => {
+                self.blocks[i.get()] = b;
+                i
+            }
+            None => {
+                self.blocks.push(b);
+                BlockIdx::new(self.blocks.len() - 1)
+            }
+        }
+    }
+
+    /// The best fitting free block of the set, removed from it; PyTorch's rule: the smallest block
+    /// at or above `size`, unless it is an unsplittable oversize block that would waste too much.
+    /// In a `no_split` pool, a block serves only requests within 20 MiB of its size.
+    #[inline(always)]
+    pub(super) fn best_fit(&mut self, set: SetIdx, size: usize, no_split: bool) -> Option<BlockIdx> {
+        let max_split = self.config.max_split_size;
+        let k = self.sets[set.0 as usize].take_best_fit(size, |block| {
+            let whole_only = no_split || size >= max_split;
+            !((size < max_split && block >= max_split) || (whole_only && block >= size + rules::LARGE_BUFFER))
+        })?;
+        Some(BlockIdx::from_key(key_idx(k)))
+    }
+
+    #[inline(always)]
+    pub(super) fn no_split(&self, pool: Slot) -> bool {
+        pool != Slot::DEFAULT && self.pools[pool.get()].spec.no_split
+    }
+
+    #[inline(always)]
+    pub(super) fn insert_free(&mut self, b: BlockIdx) {
+        let blk = self.block(b);
+        let (k, set) = (key(blk.size, blk.addr, b.to_key()), blk.set.0 as usize);
+        self.sets[set].insert(k);
+    }
+
+    #[inline(always)]
+    pub(super) fn remove_free(&mut self, b: BlockIdx) {
+        let blk = self.block(b);
+        let (k, set) = (key(blk.size, blk.addr, b.to_key()), blk.set.0 as usize);
+        self.sets[set].remove(k);
+    }
+
+    /// Counts (`add`) or uncounts a free block in the inactive-split stats.
+    #[inline(always)]
+    fn count_inactive(&mut self, b: BlockIdx, add: bool) {
+        let blk = self.block(b);
+        if blk.state == BlockState::Free && blk.is_split() {
+            let (small, size) = (blk.small, blk.size);
+            self.stats.on_inactive_split(small, size, add);
+        }
+    }
+
+    /// Hands out `block` (free, out of its set) for a request: splits off the rest if the rules
+    /// say so, and counts it.
+    #[inline]
+    pub(super) fn take_block(&mut self, block: BlockIdx, rounded: usize, requested: usize) -> (BlockIdx, u64) {
+        self.count_inactive(block, false);
+        let b = self.block(block);
+        let (small, pool) = (b.small, b.pool);
+        if !self.no_split(pool) && should_split(b.size, rounded, small, self.config.max_split_size) {
+            let rest = Block {
+                addr: b.addr + rounded as u64,
+                size: b.size - rounded,
+                requested: 0,
+                seg: b.seg,
+                prev: Some(block),
+                next: b.next,
+                set: b.set,
+                pool,
+                small,
+                state: BlockState::Free,
+                has_uses: false,
+                pending: 0,
+            };
+            let next = b.next;
+            let r = self.new_block(rest);
+            if let Some(n) = next {
+                self.block_mut(n).prev = Some(r);
+            }
+            let b = self.block_mut(block);
+            b.next = Some(r);
+            b.size = rounded;
+            self.insert_free(r);
+            self.count_inactive(r, true);
+        }
+        let b = self.block_mut(block);
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        let (size, addr) = (b.size, b.addr);
+        let oversize = size >= self.config.max_split_size;
+        self.stats.on_alloc(small, size, requested, oversize);
+        if pool != Slot::DEFAULT {
+            self.pools[pool.get()].stats.on_alloc(size, requested);
+        }
+        if crate::trace::enabled() {
+            self.emit(Action::Alloc, block);
+        }
+        (block, addr)
+    }
+
+    /// Its owner gives a block back: uncounted, and either free at once or, if other streams
+    /// used it, awaiting their events.
+    #[inline]
+    pub(super) fn free(&mut self, be: &dyn crate::backend::Backend, block: BlockIdx) {
+        let b = self.block_mut(block);
+        if b.state != BlockState::Allocated {
+            // Unreachable through the API (a block is freed by its one owner); never corrupt
+            // the free sets over it.
+            debug_assert!(false, "double free of block {block:?}");
+            return;
+        }
+        let (size, requested, small, pool) = (b.size, b.requested, b.small, b.pool);
+        let uses = if b.has_uses {
+            b.has_uses = false;
+            self.uses.remove(&block).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        let oversize = size >= self.config.max_split_size;
+        self.stats.on_free_requested(small, size, requested, oversize);
+        if pool != Slot::DEFAULT {
+            self.pools[pool.get()].stats.on_free_requested(size, requested);
+        }
+        if crate::trace::enabled() {
+            self.emit(Action::FreeRequested, block);
+        }
+        if uses.is_empty() {
+            self.free_block(block);
+            return;
+        }
+        self.block_mut(block).state = BlockState::AwaitingStreams;
+        self.record_uses(be, block, uses);
+    }
+
+    /// Makes a block free, merging it with free neighbours, and files it in its set. A wholly free
+    /// segment of a released pool goes back at once.
+    #[inline]
+    pub(super) fn free_block(&mut self, block: BlockIdx) {
+        if crate::trace::enabled() {
+            self.emit(Action::FreeCompleted, block);
+        }
+        let b = self.block_mut(block);
+        let (small, size, pool) = (b.small, b.size, b.pool);
+        b.state = BlockState::Free;
+        b.requested = 0;
+        b.pending = 0;
+        self.stats.on_free_completed(small, size);
+        let mut cur = block;
+        if let Some(prev) = self.block(cur).prev {
+            if self.block(prev).state == BlockState::Free {
+                self.count_inactive(prev, false);
+                self.remove_free(prev);
+                self.merge_next_into(prev);
+                cur = prev;
+            }
+        }
+        if let Some(next) = self.block(cur).next {
+            if self.block(next).state == BlockState::Free {
+                self.count_inactive(next, false);
+                self.remove_free(next);
+                self.merge_next_into(cur);
+            }
+        }
+        self.insert_free(cur);
+        self.count_inactive(cur, true);
+        let b = self.block(cur);
+        if !b.is_split() {
+            let seg = b.seg;
+            self.segments[seg.0 as usize].freed_at = self.tick;
+            if pool != Slot::DEFAULT && self.pools[pool.get()].released {
+                self.release_segment(seg);
+                self.retire_pool_if_empty(pool);
+            }
+        }
+    }
+
+    /// Merges `b`'s successor into `b`; neither may be in a set.
+    #[inline(always)]
+    fn merge_next_into(&mut self, b: BlockIdx) {
+        let n = self.block(b).next.expect("a successor to merge");
+        let (nsize, nnext) = (self.block(n).size, self.block(n).next);
+        let blk = self.block_mut(b);
+        blk.size += nsize;
+        blk.next = nnext;
+        if let Some(nn) = nnext {
+            self.block_mut(nn).prev = Some(b);
+        }
+        self.free_blocks.push(n);
+    }
+
+    /// Whether segment `seg` is live and wholly free.
+    pub(super) fn wholly_free(&self, seg: usize) -> bool {
+        let s = &self.segments[seg];
+        s.live
+            && s.head.is_some_and(|h| {
+                let b = self.block(h);
+                b.state == BlockState::Free && !b.is_split()
+            })
+    }
+
+    /// The blocks of a segment in address order.
+    pub(super) fn blocks_of(&self, seg: &Segment) -> impl Iterator<Item = &Block> + '_ {
+        std::iter::successors(seg.head.map(|h| self.block(h)), |b| b.next.map(|n| self.block(n)))
+    }
+}
