@@ -40,7 +40,6 @@ pub mod config;
 pub mod error;
 pub mod format;
 pub mod pool;
-pub mod replay;
 pub mod scope;
 pub mod snapshot;
 pub mod stats;

@@ -18,9 +18,9 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use mempool::replay::TraceOp;
 use mempool::sim::SimDevice;
 use mempool::{pool_scope, with_pool, Allocator, Buffer, Kind, MemPool, PoolOptions};
+use mempool_bench::trace::TraceOp;
 
 /// `println!` that ends the program quietly when stdout is closed (`mempool-bench ... | head`).
 macro_rules! out {
@@ -189,7 +189,7 @@ fn scoped_pair<K: Kind>(a: &Allocator<K>, pool: &MemPool<K>) {
 
 fn replay<K: Kind>(a: &Allocator<K>, path: &str) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
-    let evs = mempool::replay::parse_trace(&text).map_err(|e| format!("{path}: {e}"))?;
+    let evs = mempool_bench::trace::parse_trace(&text).map_err(|e| format!("{path}: {e}"))?;
     let name = path.rsplit('/').next().unwrap_or(path);
     // Ids index a table (a hash lookup per event would be timed too); they must be dense.
     let max_id = evs

@@ -2,8 +2,8 @@
 //! line, `a <id> <bytes> <stream>` allocates and `f <id>` frees. Used by `mempool-bench replay`.
 //!
 //! ```
-//! let ops = mempool::replay::parse_trace("a 0 4096 0\na 1 100 0\nf 0\n")?;
-//! assert_eq!(ops[0], mempool::replay::TraceOp::Alloc { id: 0, bytes: 4096, stream: 0 });
+//! let ops = mempool_bench::trace::parse_trace("a 0 4096 0\na 1 100 0\nf 0\n")?;
+//! assert_eq!(ops[0], mempool_bench::trace::TraceOp::Alloc { id: 0, bytes: 4096, stream: 0 });
 //! # Ok::<(), String>(())
 //! ```
 
