@@ -1,9 +1,11 @@
 //! A bounded fuzzer of our own (no nightly toolchain here for cargo-fuzz) for the trace reader:
 //! structured random and byte-mutated traces. Every input must give events or a clear error, never
-//! a panic, and errors must name the line. `MEMPOOL_FUZZ_ITERS` sets the number of inputs
-//! (CI: 20,000).
+//! a panic; errors must name the first wrong line, and what parses must be a sequence a program
+//! could make. `MEMPOOL_FUZZ_ITERS` sets the number of inputs (CI: 20,000).
 
-use mempool_bench::trace::{parse_trace, TraceOp};
+use std::collections::HashSet;
+
+use mempool_bench::trace::{parse_trace, Problem, TraceOp, MAX_BYTES, MAX_STREAM};
 
 fn iters() -> usize {
     std::env::var("MEMPOOL_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000)
@@ -81,14 +83,36 @@ fn trace_reader_never_panics_and_names_the_line() {
             Ok(Ok(ops)) => {
                 let lines = input.lines().filter(|l| !l.trim().is_empty()).count();
                 assert_eq!(ops.len(), lines, "{input:?}");
+                // What parses is a sequence a program could make, within the documented ranges.
+                let mut live = HashSet::new();
+                for op in ops {
+                    match op {
+                        TraceOp::Alloc { id, bytes, stream } => {
+                            assert!(live.insert(id), "{input:?}: id {id} allocated while live");
+                            assert!((1..=MAX_BYTES).contains(&(bytes as u64)), "{input:?}");
+                            assert!(stream <= MAX_STREAM, "{input:?}");
+                        }
+                        TraceOp::Free { id } => assert!(live.remove(&id), "{input:?}: id {id} freed while not live"),
+                    }
+                }
             }
-            Ok(Err(m)) => assert!(m.starts_with("line ") && m.contains("expected"), "{input:?} -> {m}"),
+            Ok(Err(e)) => {
+                // The error names the first wrong line: every line before it parses.
+                let m = e.to_string();
+                assert!(m.starts_with(&format!("line {}: ", e.line)) && m.len() > 20, "{input:?} -> {m}");
+                let before: Vec<&str> = input.lines().take(e.line - 1).collect();
+                assert_eq!(before.len(), e.line - 1, "{input:?} -> {m}: past the last line");
+                assert!(parse_trace(&before.join("\n")).is_ok(), "{input:?} -> {m}: an earlier line is wrong");
+            }
             Err(_) => panic!("parse_trace panicked on {input:?}"),
         }
     }
-    // Findings kept as tests: a size above usize on 32-bit hosts, a negative stream (as PyTorch
-    // writes some), trailing garbage.
-    assert_eq!(parse_trace("a 1 2 -5").unwrap()[0], TraceOp::Alloc { id: 1, bytes: 2, stream: (-5i64) as u64 });
-    assert!(parse_trace("a 1 2 3 4").is_err());
-    assert!(parse_trace("f").unwrap_err().contains("line 1"));
+    // Findings of the first fuzzer kept as tests: trailing fields, a size above usize on 32-bit
+    // hosts (now above MAX_BYTES everywhere), a truncated line.
+    assert_eq!(parse_trace("a 1 2 3 4").unwrap_err().problem, Problem::Trailing("4".into()));
+    assert!(matches!(parse_trace("a 1 18446744073709551615").unwrap_err().problem, Problem::TooLarge(..)));
+    assert_eq!(
+        parse_trace("f").unwrap_err().to_string(),
+        "line 1: missing <id>: an allocation is `a <id> <bytes> [<stream>]`, a free is `f <id>`"
+    );
 }
