@@ -8,9 +8,15 @@ use mempool::Allocator;
 use mempool_bench::playback::Playback;
 use mempool_bench::trace::{parse_trace, TraceOp};
 
-/// Every `*.trace` file of the workspace's `traces/`, with its text.
+/// Every `*.trace` file of the workspace's `traces/`, with its text. Empty, said on stderr, where
+/// the source tree is not there: a test binary bundled for the GPU machine runs away from it.
 fn recorded() -> Vec<(PathBuf, String)> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../traces");
+    let crate_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if !crate_dir.is_dir() {
+        eprintln!("skipped: the source tree ({}) is not on this machine", crate_dir.display());
+        return Vec::new();
+    }
+    let dir = crate_dir.join("../traces");
     let mut traces: Vec<(PathBuf, String)> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .map(|f| f.unwrap().path())
