@@ -42,7 +42,6 @@ pub mod error;
 pub mod format;
 mod id;
 pub mod pool;
-pub mod replay;
 pub mod rules;
 pub mod scope;
 pub mod snapshot;

@@ -1,13 +1,12 @@
 //! A bounded fuzzer of our own (no nightly toolchain here for cargo-fuzz): structured random and
-//! mutated inputs for the config parser and the trace reader. Every input must give a value or a
-//! clear error, never a panic, and errors must name what was wrong.
+//! mutated inputs for the config parser (the trace reader's fuzzer is in `mempool-bench`). Every
+//! input must give a value or a clear error, never a panic, and errors must name what was wrong.
 //! `MEMPOOL_FUZZ_ITERS` sets the number of inputs per target (CI: 20,000).
 
 mod common;
 
 use common::Rng;
 use mempool::config::Config;
-use mempool::replay::{parse_trace, TraceOp};
 
 fn iters() -> usize {
     std::env::var("MEMPOOL_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000)
@@ -103,42 +102,4 @@ fn config_parser_never_panics_and_names_the_problem() {
             Err(_) => panic!("Config::parse panicked on {input:?}"),
         }
     }
-}
-
-#[test]
-fn trace_reader_never_panics_and_names_the_line() {
-    let mut r = Rng(0x7AACE);
-    let good = "a 0 4096 0\na 1 1048576 140000\nf 0\n\na 2 512\nf 1\nf 2\n";
-    let pieces = &[
-        "a",
-        "f",
-        " ",
-        "\n",
-        "0",
-        "1",
-        "42",
-        "-1",
-        "18446744073709551615",
-        "99999999999999999999",
-        "x",
-        "\t",
-        "4096",
-        "\r\n",
-    ];
-    for i in 0..iters() {
-        let input = if i % 2 == 0 { random_from(&mut r, pieces, 30) } else { mutate(&mut r, good) };
-        match std::panic::catch_unwind(|| parse_trace(&input)) {
-            Ok(Ok(ops)) => {
-                let lines = input.lines().filter(|l| !l.trim().is_empty()).count();
-                assert_eq!(ops.len(), lines, "{input:?}");
-            }
-            Ok(Err(m)) => assert!(m.starts_with("line ") && m.contains("expected"), "{input:?} -> {m}"),
-            Err(_) => panic!("parse_trace panicked on {input:?}"),
-        }
-    }
-    // Findings kept as tests: a size above usize on 32-bit hosts, a negative stream (as PyTorch
-    // writes some), trailing garbage.
-    assert_eq!(parse_trace("a 1 2 -5").unwrap()[0], TraceOp::Alloc { id: 1, bytes: 2, stream: (-5i64) as u64 });
-    assert!(parse_trace("a 1 2 3 4").is_err());
-    assert!(parse_trace("f").unwrap_err().contains("line 1"));
 }

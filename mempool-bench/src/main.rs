@@ -8,7 +8,9 @@
 //! ```
 //! `latency` prints `pair <bytes> <ns>` and `mixed <live> <ns>` lines (through `Buffer`), then the
 //! same through the raw byte API as `pair-raw` / `mixed-raw`. `replay` prints one line per rep:
-//! `mempool <trace> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`.
+//! `mempool <trace> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`;
+//! each allocation is made with its recorded stream current (value 0: the default stream; each other
+//! value: a stream of its own, see `mempool_bench::playback`).
 //! `scope` prints `scope enter_exit <ns>`, then `scope pair_default <bytes> <ns>` and
 //! `scope pair_in_scope <bytes> <ns>` measured one after the other in the same run, then a scope
 //! around every pair: by hand in a block and through `pool_scope!`, by hand in a function and
@@ -18,9 +20,10 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use mempool::replay::TraceOp;
 use mempool::sim::SimDevice;
-use mempool::{pool_scope, with_pool, Allocator, Buffer, Kind, MemPool, PoolOptions};
+use mempool::{pool_scope, with_pool, Allocator, Buffer, Kind, MemPool, PoolOptions, StreamId};
+use mempool_bench::playback::Playback;
+use mempool_bench::trace::parse_trace;
 
 /// `println!` that ends the program quietly when stdout is closed (`mempool-bench ... | head`).
 macro_rules! out {
@@ -187,55 +190,40 @@ fn scoped_pair<K: Kind>(a: &Allocator<K>, pool: &MemPool<K>) {
     drop(a.alloc::<u8>(512).expect("alloc"));
 }
 
-fn replay<K: Kind>(a: &Allocator<K>, path: &str) -> Result<(), String> {
+/// Where `replay` gets the backend's streams for a trace's stream column: the default stream for
+/// value 0, a new stream for each other value.
+struct Streams<'a, K: Kind> {
+    default: K::Stream,
+    new: &'a mut dyn FnMut() -> Result<K::Stream, String>,
+}
+
+fn replay<K: Kind>(a: &Allocator<K>, path: &str, streams: &mut Streams<'_, K>) -> Result<(), String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
-    let evs = mempool::replay::parse_trace(&text).map_err(|e| format!("{path}: {e}"))?;
+    let ops = parse_trace(&text).map_err(|e| format!("{path}: {e}"))?;
     let name = path.rsplit('/').next().unwrap_or(path);
-    // Ids index a table (a hash lookup per event would be timed too); they must be dense.
-    let max_id = evs
-        .iter()
-        .map(|e| match e {
-            TraceOp::Alloc { id, .. } | TraceOp::Free { id } => *id,
-        })
-        .max()
-        .unwrap_or(0);
-    if max_id > 4 * evs.len() as u64 + 1024 {
-        return Err(format!("{path}: ids up to {max_id} for {} events: renumber them densely from 0", evs.len()));
-    }
-    let mut live: Vec<Option<Buffer<u8, K>>> = (0..=max_id).map(|_| None).collect();
+    let play = Playback::new(&ops, streams.default.clone(), &mut *streams.new).map_err(|e| format!("{path}: {e}"))?;
     a.empty_cache().map_err(|e| e.to_string())?;
     for rep in 0..3 {
-        a.reset_peak_stats();
-        let t = Instant::now();
-        for e in &evs {
-            match *e {
-                TraceOp::Alloc { id, bytes, .. } => {
-                    live[id as usize] = Some(a.alloc(bytes).map_err(|e| e.to_string())?)
-                }
-                TraceOp::Free { id } => live[id as usize] = None,
-            }
-        }
-        let ns = t.elapsed().as_nanos() as f64 / evs.len().max(1) as f64;
-        let s = a.memory_stats();
-        live.iter_mut().for_each(|b| *b = None);
+        let r = play.run(a).map_err(|e| format!("{path}: {e}"))?;
         out!(
-            "mempool {name} rep={rep} {} events={} ns_per_event={ns:.1} peak_allocated={} peak_reserved={}",
+            "mempool {name} rep={rep} {} events={} ns_per_event={:.1} peak_allocated={} peak_reserved={}",
             if rep == 0 { "cold" } else { "warm" },
-            evs.len(),
-            s.allocated_bytes.all.peak,
-            s.reserved_bytes.all.peak
+            r.events,
+            r.ns_per_event,
+            r.peak_allocated,
+            r.peak_reserved
         );
     }
     Ok(())
 }
 
-fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String]) -> Result<(), String> {
+fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String], mut streams: Streams<'_, K>) -> Result<(), String> {
     match cmd {
         "latency" => {
             latency(&a, args);
             Ok(())
         }
-        "replay" if !args.is_empty() => args.iter().try_for_each(|t| replay(&a, t)),
+        "replay" if !args.is_empty() => args.iter().try_for_each(|t| replay(&a, t, &mut streams)),
         "scope" => {
             scope(&a);
             Ok(())
@@ -272,9 +260,25 @@ fn main() -> ExitCode {
         }
     });
     let r = match backend.as_str() {
-        "cuda" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| run(a, &cmd, rest)),
-        "host" => run(Allocator::host(), &cmd, rest),
-        "sim" => run(Allocator::sim(SimDevice::new(usize::MAX / 2)), &cmd, rest),
+        "cuda" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| {
+            let ctx = a.context().clone();
+            let default = ctx.default_stream();
+            run(a, &cmd, rest, Streams { default, new: &mut || ctx.new_stream().map_err(|e| e.to_string()) })
+        }),
+        "host" => {
+            // Host streams are notional ids: 0 is the default, 1, 2, ... the trace's others.
+            let mut next = 0;
+            let new = &mut || {
+                next += 1;
+                Ok(StreamId(next))
+            };
+            run(Allocator::host(), &cmd, rest, Streams { default: StreamId(0), new })
+        }
+        "sim" => {
+            let sim = SimDevice::new(usize::MAX / 2);
+            let streams = Streams { default: sim.default_stream(), new: &mut || Ok(sim.new_stream()) };
+            run(Allocator::sim(sim.clone()), &cmd, rest, streams)
+        }
         other => Err(format!("unknown backend `{other}`; valid: sim, host, cuda")),
     };
     match r {
