@@ -7,7 +7,7 @@ use syn::{Expr, Path, Token};
 const VALID: &str = "valid arguments: the pool expression first, then `stream = <expr>`, `crate = <path>`";
 
 /// What `#[with_pool(..)]`, `pool_scope!(.. => ..)` and `begin_pool!(..)` take.
-pub struct PoolArgs {
+pub(crate) struct PoolArgs {
     pub pool: Expr,
     pub stream: Option<Expr>,
     pub krate: Option<Path>,
@@ -15,13 +15,13 @@ pub struct PoolArgs {
 
 impl PoolArgs {
     /// The path to the runtime crate: `::mempool` unless `crate = path` says otherwise.
-    pub fn krate(&self) -> Path {
+    pub(crate) fn krate(&self) -> Path {
         self.krate.clone().unwrap_or_else(|| syn::parse_quote!(::mempool))
     }
 }
 
 /// `ident =` (not `==`) ahead: a named argument.
-fn named_ahead(input: ParseStream) -> bool {
+fn named_ahead(input: ParseStream<'_>) -> bool {
     let fork = input.fork();
     let name = if fork.peek(Token![crate]) {
         fork.parse::<Token![crate]>().is_ok()
@@ -33,8 +33,8 @@ fn named_ahead(input: ParseStream) -> bool {
 
 impl PoolArgs {
     /// Parses the arguments up to the end of `input`, or up to `=>` when `stop_at_arrow`.
-    pub fn parse_until(input: ParseStream, what: &str, stop_at_arrow: bool) -> syn::Result<PoolArgs> {
-        let done = |input: ParseStream| input.is_empty() || (stop_at_arrow && input.peek(Token![=>]));
+    pub(crate) fn parse_until(input: ParseStream<'_>, what: &str, stop_at_arrow: bool) -> syn::Result<PoolArgs> {
+        let done = |input: ParseStream<'_>| input.is_empty() || (stop_at_arrow && input.peek(Token![=>]));
         if done(input) {
             return Err(syn::Error::new(
                 Span::call_site(),
@@ -96,30 +96,30 @@ fn example(what: &str) -> String {
 }
 
 /// `#[with_pool(..)]`'s arguments (everything).
-pub struct AttrArgs(pub PoolArgs);
+pub(crate) struct AttrArgs(pub PoolArgs);
 
 impl Parse for AttrArgs {
-    fn parse(input: ParseStream) -> syn::Result<Self> {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         PoolArgs::parse_until(input, "#[with_pool]", false).map(AttrArgs)
     }
 }
 
 /// `begin_pool!(..)` / `end_pool!(..)`'s arguments.
-pub struct StmtArgs(pub PoolArgs);
+pub(crate) struct StmtArgs(pub PoolArgs);
 
 impl Parse for StmtArgs {
-    fn parse(input: ParseStream) -> syn::Result<Self> {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         PoolArgs::parse_until(input, "begin_pool!", false).map(StmtArgs)
     }
 }
 
 /// `#[pool_scopes]` / `#[pool_scopes(crate = path)]`.
-pub struct ScopesArgs {
+pub(crate) struct ScopesArgs {
     pub krate: Option<Path>,
 }
 
 impl Parse for ScopesArgs {
-    fn parse(input: ParseStream) -> syn::Result<Self> {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         if input.is_empty() {
             return Ok(ScopesArgs { krate: None });
         }

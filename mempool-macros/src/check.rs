@@ -10,7 +10,7 @@ use syn::Path;
 
 use crate::args::{ScopesArgs, StmtArgs};
 
-pub fn pool_scopes(attr: TokenStream, item: TokenStream) -> TokenStream {
+pub(crate) fn pool_scopes(attr: TokenStream, item: TokenStream) -> TokenStream {
     let krate: Path = match syn::parse2::<ScopesArgs>(attr) {
         Ok(a) => a.krate.unwrap_or_else(|| syn::parse_quote!(::mempool)),
         Err(e) => {
@@ -239,7 +239,7 @@ struct CheckedBegin {
 }
 
 impl syn::parse::Parse for CheckedBegin {
-    fn parse(input: syn::parse::ParseStream) -> syn::Result<Self> {
+    fn parse(input: syn::parse::ParseStream<'_>) -> syn::Result<Self> {
         input.parse::<syn::Token![@]>()?;
         input.parse::<Ident>()?;
         let guard = input.parse()?;
@@ -252,12 +252,12 @@ impl syn::parse::Parse for CheckedBegin {
 }
 
 /// Whether the input is the checked form `#[pool_scopes]` writes.
-pub fn is_checked(input: &TokenStream) -> bool {
+pub(crate) fn is_checked(input: &TokenStream) -> bool {
     matches!(input.clone().into_iter().next(), Some(TokenTree::Punct(p)) if p.as_char() == '@')
 }
 
 /// `begin_pool!(@checked ..)`: the guard.
-pub fn checked_begin(input: TokenStream) -> TokenStream {
+pub(crate) fn checked_begin(input: TokenStream) -> TokenStream {
     use syn::spanned::Spanned;
     let CheckedBegin { guard, krate, args } = match syn::parse2(input) {
         Ok(c) => c,
@@ -274,7 +274,7 @@ pub fn checked_begin(input: TokenStream) -> TokenStream {
 }
 
 /// `end_pool!(@checked guard)`: the guard's end.
-pub fn checked_end(input: TokenStream) -> TokenStream {
+pub(crate) fn checked_end(input: TokenStream) -> TokenStream {
     let guard = input.into_iter().nth(2);
     quote!(::core::mem::drop(#guard);)
 }

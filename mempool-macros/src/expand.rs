@@ -10,7 +10,7 @@ use syn::{Attribute, ReturnType, Signature, Token, Type, Visibility};
 use crate::args::{AttrArgs, PoolArgs};
 
 /// A function or method, its body kept as tokens.
-pub struct LightFn {
+pub(crate) struct LightFn {
     attrs: Vec<Attribute>,
     vis: Visibility,
     sig: Signature,
@@ -21,7 +21,7 @@ const ITEM_KEYWORDS: [&str; 10] =
     ["struct", "enum", "union", "trait", "impl", "mod", "static", "type", "use", "macro_rules"];
 
 impl Parse for LightFn {
-    fn parse(input: ParseStream) -> syn::Result<Self> {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         let attrs = input.call(Attribute::parse_outer)?;
         let vis: Visibility = input.parse()?;
         let fork = input.fork();
@@ -66,24 +66,24 @@ impl Parse for LightFn {
 }
 
 trait ParseAnyKw {
-    fn parse_any_kw(input: ParseStream) -> syn::Result<syn::Ident>;
+    fn parse_any_kw(input: ParseStream<'_>) -> syn::Result<syn::Ident>;
 }
 
 impl ParseAnyKw for syn::Ident {
-    fn parse_any_kw(input: ParseStream) -> syn::Result<syn::Ident> {
+    fn parse_any_kw(input: ParseStream<'_>) -> syn::Result<syn::Ident> {
         use syn::ext::IdentExt;
         syn::Ident::parse_any(input)
     }
 }
 
-fn is_const_fn(input: ParseStream) -> bool {
+fn is_const_fn(input: ParseStream<'_>) -> bool {
     let fork = input.fork();
     fork.parse::<Token![const]>().is_ok()
         && (fork.peek(Token![fn]) || fork.peek(Token![async]) || fork.peek(Token![unsafe]) || fork.peek(Token![extern]))
 }
 
 /// `#[with_pool(..)]`. On bad arguments or a bad item: the item unchanged plus one error.
-pub fn with_pool(attr: TokenStream, item: TokenStream) -> TokenStream {
+pub(crate) fn with_pool(attr: TokenStream, item: TokenStream) -> TokenStream {
     let args = match syn::parse2::<AttrArgs>(attr) {
         Ok(AttrArgs(a)) => a,
         Err(e) => return error_with(item, e),
@@ -152,13 +152,13 @@ fn output_type(sig: &Signature) -> Option<Type> {
 }
 
 /// `pool_scope!(pool [, stream = s] [, crate = path] => { body })`.
-pub struct ScopeInput {
+pub(crate) struct ScopeInput {
     args: PoolArgs,
     body: Group,
 }
 
 impl Parse for ScopeInput {
-    fn parse(input: ParseStream) -> syn::Result<Self> {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
         let args = PoolArgs::parse_until(input, "pool_scope!", true)?;
         if !input.peek(Token![=>]) {
             return Err(input.error("expected `=>` and a block after the pool: `pool_scope!(my_pool => { ... })`"));
@@ -183,7 +183,7 @@ impl Parse for ScopeInput {
     }
 }
 
-pub fn pool_scope(input: TokenStream) -> TokenStream {
+pub(crate) fn pool_scope(input: TokenStream) -> TokenStream {
     let ScopeInput { args, body } = match syn::parse2::<ScopeInput>(input) {
         Ok(i) => i,
         Err(e) => return e.into_compile_error(),
@@ -206,7 +206,7 @@ pub fn pool_scope(input: TokenStream) -> TokenStream {
 }
 
 /// `begin_pool!` / `end_pool!` outside a `#[pool_scopes]` function.
-pub fn stray(which: &str) -> TokenStream {
+pub(crate) fn stray(which: &str) -> TokenStream {
     let span = Span::call_site();
     let msg = format!(
         "`{which}!` only works inside a function marked `#[pool_scopes]`, which checks that every \

@@ -12,6 +12,7 @@
 //! mempool_viz::render_timeline(&view, "timeline.svg")?;
 //! # Ok::<(), mempool_viz::Error>(())
 //! ```
+#![forbid(unsafe_code)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;

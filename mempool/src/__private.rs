@@ -74,6 +74,12 @@ pub struct Wrapper<K: Kind> {
     stream: Option<K::Stream>,
 }
 
+impl<K: Kind> std::fmt::Debug for Wrapper<K> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wrapper").field("pool", &self.pool).field("on_stream", &self.stream.is_some()).finish()
+    }
+}
+
 /// A wrapper routing the current stream (as it is when the function is called).
 pub fn scoped_fn<P: AsPool + ?Sized>(pool: &P) -> Wrapper<P::Kind> {
     Wrapper { pool: pool.as_pool().clone(), stream: None }

@@ -66,6 +66,7 @@ impl sealed::Sealed for Host {}
 impl sealed::Sealed for Sim {}
 
 #[doc(hidden)]
+#[derive(Debug)]
 pub struct CudaExt {
     backend: Arc<CudaBackend>,
 }
@@ -159,6 +160,7 @@ impl Kind for Sim {
 }
 
 #[doc(hidden)]
+#[derive(Debug)]
 pub struct Shared<K: Kind> {
     pub(crate) core: DeviceAllocator,
     /// The allocator's id, as the key of this thread's current-stream and route entries.

@@ -23,7 +23,7 @@ impl fmt::Display for StreamId {
 /// A stream's identity inside the allocator: unique for the life of the process (0: the
 /// device's default stream).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct StreamKey(pub(crate) u64);
+pub(crate) struct StreamKey(pub(crate) u64);
 
 impl StreamKey {
     /// The default stream of a device.

@@ -30,13 +30,23 @@
 //! | [`stats`] | [`MemoryStats`] and the summary table |
 //! | [`snapshot`] | segments and blocks as they are now |
 
+// `unsafe` lives where a contract meets the device: the backend boundary, the buffer's kernel
+// argument, the element-type trait, and the few places that call the backend with addresses
+// they own. Everything else is safe code, and the lint keeps it so.
+#![deny(unsafe_code)]
+
 #[doc(hidden)]
 pub mod __private;
+#[allow(unsafe_code)] // `alloc_uninit`, and zero-filling a buffer through the backend
 pub mod allocator;
+#[allow(unsafe_code)] // the `unsafe trait`s and their implementations: the only device calls
 pub mod backend;
+#[allow(unsafe_code)] // cudarc's `PushKernelArg` for buffers
 pub mod buffer;
+#[allow(unsafe_code)] // backend calls with the addresses, streams and events the cache holds
 mod caching;
 pub mod config;
+#[allow(unsafe_code)] // `unsafe trait AnyBitPattern` and its implementations
 mod elem;
 pub mod error;
 pub mod format;

@@ -141,6 +141,12 @@ pub struct Scoped<K: Kind, F> {
     fut: Pin<Box<F>>,
 }
 
+impl<K: Kind, F> std::fmt::Debug for Scoped<K, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scoped").field("pool", &self.pool).field("stream", &self.stream).finish_non_exhaustive()
+    }
+}
+
 impl<K: Kind, F: Future> Future for Scoped<K, F> {
     type Output = F::Output;
 

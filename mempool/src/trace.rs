@@ -152,12 +152,18 @@ impl Drop for TraceHandle {
     fn drop(&mut self) {
         // Delivery copies the callback list before calling any, so this never waits on a
         // delivery in progress (a callback may detach itself or another).
-        let mut hooks = HOOKS.write().unwrap_or_else(|p| p.into_inner());
-        let before = hooks.len();
-        hooks.retain(|(id, _)| *id != self.id);
-        if hooks.len() < before {
+        let removed: Vec<(u64, Callback)> = {
+            let mut hooks = HOOKS.write().unwrap_or_else(|p| p.into_inner());
+            let (gone, kept) = std::mem::take(&mut *hooks).into_iter().partition(|(id, _)| *id == self.id);
+            *hooks = kept;
+            gone
+        };
+        if !removed.is_empty() {
             ACTIVE.fetch_sub(1, Ordering::Relaxed);
         }
+        // Dropped outside the lock: the callback may own the last handle of an allocator, whose
+        // drop delivers its last events.
+        drop(removed);
     }
 }
 

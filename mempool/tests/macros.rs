@@ -137,7 +137,7 @@ fn stream_of_another_device_panics_with_the_error() {
 }
 
 mod renamed {
-    pub use mempool as mp;
+    pub(crate) use mempool as mp;
 }
 
 #[renamed::mp::with_pool(pool, crate = renamed::mp)]

@@ -568,7 +568,18 @@ impl Drop for DeviceAllocator {
             p.released = true;
         }
         st.release_cached(|_| true);
-        self.unlock(st, true);
+        drop(st);
+        // No other thread can reach this allocator any more: its last work runs here, even if
+        // this drop happens inside another allocator's hook delivery.
+        loop {
+            let work = std::mem::take(&mut self.lock().outbox);
+            if work.is_empty() {
+                break;
+            }
+            for w in work {
+                self.run(w);
+            }
+        }
     }
 }
 

@@ -1,16 +1,16 @@
 //! Shared checks for the sim-backed tests, and the GPU tests' kernels.
 #![allow(dead_code)]
 
-pub mod ptx;
+pub(crate) mod ptx;
 
 use mempool::sim::SimDevice;
 use mempool::{Allocator, BlockState, Kind, MemPool, MemoryStats, Snapshot, StatArray};
 
 /// xorshift64, as in the anchors' workloads.
-pub struct Rng(pub u64);
+pub(crate) struct Rng(pub u64);
 
 impl Rng {
-    pub fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x << 13;
         x ^= x >> 7;
@@ -18,18 +18,18 @@ impl Rng {
         self.0 = x;
         x
     }
-    pub fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         self.next() % n
     }
     /// Log-uniform size between 1 byte and `1 << max_log2` bytes.
-    pub fn size(&mut self, max_log2: u32) -> usize {
+    pub(crate) fn size(&mut self, max_log2: u32) -> usize {
         let lo = 1usize << self.below(u64::from(max_log2));
         lo + self.below(lo as u64) as usize
     }
 }
 
 /// Every structural invariant of a snapshot, and every statistic recomputed from it.
-pub fn check_invariants<K: Kind>(alloc: &Allocator<K>, sim: Option<&SimDevice>) {
+pub(crate) fn check_invariants<K: Kind>(alloc: &Allocator<K>, sim: Option<&SimDevice>) {
     let snap = alloc.snapshot();
     let stats = alloc.memory_stats();
     check_snapshot(&snap);
@@ -43,7 +43,7 @@ pub fn check_invariants<K: Kind>(alloc: &Allocator<K>, sim: Option<&SimDevice>) 
     check_stats(&snap, &stats);
 }
 
-pub fn check_snapshot(snap: &Snapshot) {
+pub(crate) fn check_snapshot(snap: &Snapshot) {
     let mut last_end = 0u64;
     for s in &snap.segments {
         assert!(s.address >= last_end, "segments overlap at {:#x}", s.address);
@@ -70,7 +70,7 @@ fn current(a: &StatArray) -> (i64, i64, i64) {
     (a.all.current, a.small_pool.current, a.large_pool.current)
 }
 
-pub fn check_stats(snap: &Snapshot, stats: &MemoryStats) {
+pub(crate) fn check_stats(snap: &Snapshot, stats: &MemoryStats) {
     let mut want: [(i64, i64, i64); 9] = Default::default();
     let add = |t: &mut (i64, i64, i64), small: bool, n: usize| {
         t.0 += n as i64;
@@ -138,7 +138,7 @@ pub fn check_stats(snap: &Snapshot, stats: &MemoryStats) {
 }
 
 /// A pool's statistics against its own segments.
-pub fn check_pool<K: Kind>(pool: &MemPool<K>) {
+pub(crate) fn check_pool<K: Kind>(pool: &MemPool<K>) {
     let snap = pool.snapshot();
     check_snapshot(&snap);
     let s = pool.memory_stats();

@@ -3,7 +3,7 @@
 /// `add_one(float* x, u32 n)`: `x[i] += 1` for every `i < n` (grid-stride).
 /// `spin_copy(u32* src, u32* dst, u32 n, u64 cycles)`: each thread spins for `cycles` clock
 /// ticks, then copies `src` to `dst` (grid-stride): a long kernel that reads `src` late.
-pub const KERNELS: &str = r#"
+pub(crate) const KERNELS: &str = r#"
 .version 7.0
 .target sm_70
 .address_size 64
