@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use crate::allocator::Kind;
+use crate::kind::Kind;
 use crate::pool::MemPool;
 use crate::scope::{PoolScope, Scoped};
 

@@ -1,201 +1,25 @@
 //! `Allocator`: the handle to one device's caching allocator, typed by the kind of device.
 
-use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::{CudaStream, ValidAsZeroBits};
+use cudarc::driver::ValidAsZeroBits;
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::host::HostBackend;
-use crate::backend::sim::{SimDevice, SimStream};
-use crate::backend::{Backend, Keep};
+use crate::backend::sim::SimDevice;
+use crate::backend::Backend;
 use crate::buffer::Buffer;
 use crate::caching::{DeviceAllocator, Request};
 use crate::config::Config;
 use crate::elem::AnyBitPattern;
 use crate::error::{Error, Result};
-use crate::id::{AllocatorId, PoolRef, StreamId, StreamKey, StreamRef};
+use crate::id::{AllocatorId, PoolRef, StreamId, StreamRef};
+pub use crate::kind::{Cuda, Host, Kind, Sim};
+pub(crate) use crate::kind::{CudaExt, Handle, Shared};
 use crate::snapshot::Snapshot;
 use crate::stats::MemoryStats;
 use crate::stream::{self, StreamGuard};
-
-mod sealed {
-    pub trait Sealed {}
-}
-
-/// The kind of device an [`Allocator`] serves: [`Cuda`], [`Host`] or [`Sim`]. It fixes the type
-/// of the streams, and which traits a [`Buffer`] implements (only CUDA buffers implement cudarc's
-/// `DevicePtr`, so a simulated buffer can never reach a kernel).
-pub trait Kind: sealed::Sealed + Sized + Send + Sync + 'static {
-    /// A stream of this kind of device.
-    type Stream: Clone + Send + Sync + 'static;
-    #[doc(hidden)]
-    type Ext: Send + Sync + 'static;
-    #[doc(hidden)]
-    type StreamCache: Default + Send + Sync + 'static;
-    /// The stream's identity for the allocator (unique for the life of the process) and its
-    /// device handle.
-    #[doc(hidden)]
-    fn stream_ref(s: &Self::Stream) -> StreamRef;
-    /// What keeps the stream alive while the allocator may still use its handle.
-    #[doc(hidden)]
-    fn keep(s: &Self::Stream) -> Option<Keep>;
-    #[doc(hidden)]
-    fn stream_device(s: &Self::Stream, allocator_device: usize) -> usize;
-    /// The stream object back from what the allocator holds.
-    #[doc(hidden)]
-    fn resolve(shared: &Shared<Self>, stream: StreamRef, keep: Option<Keep>) -> Self::Stream;
-    /// Orders the buffer's own stream after its uses elsewhere, before its block is freed.
-    #[doc(hidden)]
-    fn before_free(_cache: &Self::StreamCache) {}
-}
-
-/// NVIDIA GPUs through cudarc. Streams are cudarc's `Arc<CudaStream>`.
-#[derive(Debug)]
-pub struct Cuda;
-/// Host memory (pinned when CUDA is present). Streams are notional ids.
-#[derive(Debug)]
-pub struct Host;
-/// The simulated device of [`sim`](crate::sim). Streams are [`SimStream`]s from [`SimDevice::new_stream`].
-#[derive(Debug)]
-pub struct Sim;
-
-impl sealed::Sealed for Cuda {}
-impl sealed::Sealed for Host {}
-impl sealed::Sealed for Sim {}
-
-#[doc(hidden)]
-#[derive(Debug)]
-pub struct CudaExt {
-    backend: Arc<CudaBackend>,
-}
-
-/// The key of a CUDA stream object. Keyed by the `Arc`'s address, with a `Weak` that pins that
-/// allocation: while an entry exists no other stream can live at its address, so a stream
-/// found here is the very stream the key was made for. Entries of dead streams are pruned; a
-/// stream at a pruned address later gets a fresh key. (The handle cannot be the key: the
-/// driver gives a destroyed stream's handle to the next stream created.)
-fn cuda_stream_key(s: &Arc<CudaStream>) -> StreamKey {
-    type Registry = HashMap<usize, (Weak<CudaStream>, StreamKey)>;
-    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
-    let mut m = REGISTRY.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    let addr = Arc::as_ptr(s) as usize;
-    if let Some((_, k)) = m.get(&addr) {
-        return *k;
-    }
-    if m.len() >= 64 && m.len().is_power_of_two() {
-        m.retain(|_, (w, _)| w.strong_count() > 0);
-    }
-    let k = StreamKey::fresh();
-    m.insert(addr, (Arc::downgrade(s), k));
-    k
-}
-
-impl Kind for Cuda {
-    type Stream = Arc<CudaStream>;
-    type Ext = CudaExt;
-    type StreamCache = crate::buffer::CudaCache;
-    fn stream_ref(s: &Arc<CudaStream>) -> StreamRef {
-        if s.cu_stream().is_null() {
-            // The legacy default stream: one per context, never destroyed.
-            return StreamRef::DEFAULT;
-        }
-        StreamRef { key: cuda_stream_key(s), raw: StreamId(s.cu_stream() as u64) }
-    }
-    fn keep(s: &Arc<CudaStream>) -> Option<Keep> {
-        (!s.cu_stream().is_null()).then(|| s.clone() as Keep)
-    }
-    fn stream_device(s: &Arc<CudaStream>, _: usize) -> usize {
-        s.context().ordinal()
-    }
-    /// The stream object the keep-alive holds; the device's default stream without one.
-    fn resolve(shared: &Shared<Cuda>, _: StreamRef, keep: Option<Keep>) -> Arc<CudaStream> {
-        match keep.and_then(|k| k.downcast::<CudaStream>().ok()) {
-            Some(s) => s,
-            None => shared.ext.backend.context().default_stream(),
-        }
-    }
-    fn before_free(cache: &crate::buffer::CudaCache) {
-        cache.before_free();
-    }
-}
-
-impl Kind for Host {
-    type Stream = StreamId;
-    type Ext = ();
-    type StreamCache = ();
-    fn stream_ref(s: &StreamId) -> StreamRef {
-        // Host "streams" are names the caller picks; there is no device object behind them.
-        StreamRef { key: StreamKey(s.0), raw: *s }
-    }
-    fn keep(_: &StreamId) -> Option<Keep> {
-        None
-    }
-    fn stream_device(_: &StreamId, d: usize) -> usize {
-        d
-    }
-    fn resolve(_: &Shared<Host>, s: StreamRef, _: Option<Keep>) -> StreamId {
-        s.raw
-    }
-}
-
-impl Kind for Sim {
-    type Stream = SimStream;
-    type Ext = ();
-    type StreamCache = ();
-    fn stream_ref(s: &SimStream) -> StreamRef {
-        // A simulated device never reuses a stream id.
-        StreamRef { key: StreamKey(s.id.0), raw: s.id }
-    }
-    fn keep(_: &SimStream) -> Option<Keep> {
-        None
-    }
-    fn stream_device(s: &SimStream, _: usize) -> usize {
-        s.device
-    }
-    fn resolve(shared: &Shared<Sim>, s: StreamRef, _: Option<Keep>) -> SimStream {
-        SimStream { device: shared.device, id: s.raw }
-    }
-}
-
-#[doc(hidden)]
-#[derive(Debug)]
-pub struct Shared<K: Kind> {
-    pub(crate) core: DeviceAllocator,
-    /// The allocator's id, as the key of this thread's current-stream and route entries.
-    pub(crate) key: u32,
-    pub(crate) device: usize,
-    ext: K::Ext,
-}
-
-/// How buffers and handles reach their allocator: the process-wide CUDA allocators live for the
-/// whole process and are shared by reference (no reference count to bump per allocation); the
-/// others are reference counted.
-pub(crate) enum Handle<K: Kind> {
-    Static(&'static Shared<K>),
-    Owned(Arc<Shared<K>>),
-}
-
-impl<K: Kind> Clone for Handle<K> {
-    fn clone(&self) -> Self {
-        match self {
-            Handle::Static(s) => Handle::Static(s),
-            Handle::Owned(a) => Handle::Owned(a.clone()),
-        }
-    }
-}
-
-impl<K: Kind> std::ops::Deref for Handle<K> {
-    type Target = Shared<K>;
-    #[inline]
-    fn deref(&self) -> &Shared<K> {
-        match self {
-            Handle::Static(s) => s,
-            Handle::Owned(a) => a,
-        }
-    }
-}
 
 /// A device's caching allocator. Cloning gives another handle to the same allocator.
 ///
@@ -224,7 +48,7 @@ impl<K: Kind> fmt::Debug for Allocator<K> {
 fn shared<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Shared<K> {
     let device = backend.device();
     let id = AllocatorId::fresh();
-    Shared { core: DeviceAllocator::new(backend, config, id), key: id.0, device, ext }
+    Shared::new(DeviceAllocator::new(backend, config, id), id.0, device, ext)
 }
 
 /// `MEMPOOL_RECORD_HISTORY` and `MEMPOOL_SNAPSHOT_ON_OOM`, read when the first allocator is made.
@@ -280,7 +104,7 @@ impl Allocator<Cuda> {
         }
         let config = Config::from_env()?;
         let backend = Arc::new(CudaBackend::new(ordinal)?);
-        let ext = CudaExt { backend: backend.clone() };
+        let ext = CudaExt::new(backend.clone());
         // Lives for the rest of the process, like the device itself.
         env_settings();
         let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
@@ -297,7 +121,7 @@ impl Allocator<Cuda> {
 
     /// The cudarc context of this device.
     pub fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
-        self.shared.ext.backend.context()
+        self.shared.ext.context()
     }
 }
 

@@ -2,16 +2,14 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use cudarc::driver::{
-    CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop,
-};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop};
 
-use crate::allocator::{Cuda, Handle, Kind};
 use crate::caching::{Allocation, BlockIdx};
 use crate::error::Result;
 use crate::id::{StreamId, StreamRef};
+use crate::kind::{Cuda, Handle, Kind};
 
 /// `len` elements of `T` in device memory, owned. Dropping it gives the block back to its pool
 /// (never panicking); the memory is reused by allocations on the same stream, and by others only
@@ -130,42 +128,6 @@ impl<T, K: Kind> fmt::Debug for Buffer<T, K> {
     }
 }
 
-/// A CUDA buffer's lazily found stream, and the event of its last use on another stream.
-#[doc(hidden)]
-#[derive(Default)]
-pub struct CudaCache {
-    stream: OnceLock<Arc<CudaStream>>,
-    /// Recorded (by cudarc, when the borrow ends) on the other stream after each use there; the
-    /// buffer's own stream waits on it before its next use and before the block is freed.
-    foreign: OnceLock<Option<CudaEvent>>,
-}
-
-impl fmt::Debug for CudaCache {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaCache").finish_non_exhaustive()
-    }
-}
-
-impl CudaCache {
-    /// The buffer's stream waits for its last use elsewhere: its block is reused in that
-    /// stream's order.
-    pub(crate) fn before_free(&self) {
-        if let Some(own) = self.stream.get() {
-            self.wait_foreign(own);
-        }
-    }
-
-    /// Makes `own` wait for the last use on another stream, if there was one.
-    fn wait_foreign(&self, own: &CudaStream) {
-        if let Some(Some(ev)) = self.foreign.get() {
-            if own.wait(ev).is_err() {
-                // Could not order it on the device: wait on the host instead.
-                let _ = ev.synchronize();
-            }
-        }
-    }
-}
-
 impl<T> Buffer<T, Cuda> {
     /// Orders a use on `stream`: after the work queued on the buffer's stream so far, and, for
     /// another stream, with the buffer's stream waiting for it afterwards (the returned guard
@@ -188,7 +150,7 @@ impl<T> Buffer<T, Cuda> {
         // ...and the buffer's stream will wait for this use, through the event cudarc records on
         // `stream` when the borrow ends. Without an event (or when the context does not let
         // cudarc record it), the use is waited for on the host right after it is queued.
-        let ev = cache.foreign.get_or_init(|| own.context().new_event(None).ok());
+        let ev = cache.foreign_event(own);
         match ev {
             Some(ev) if stream.context().is_managing_stream_synchronization() => SyncOnDrop::Record(Some((ev, stream))),
             _ => SyncOnDrop::Sync(Some(stream)),
@@ -203,7 +165,7 @@ impl<T> DeviceSlice<T> for Buffer<T, Cuda> {
 
     /// The stream the buffer was allocated on.
     fn stream(&self) -> &Arc<CudaStream> {
-        self.stream_cache.stream.get_or_init(|| {
+        self.stream_cache.stream(|| {
             let keep = self.block.and_then(|b| self.shared.core.stream_keep(b));
             Cuda::resolve(&self.shared, self.stream, keep)
         })

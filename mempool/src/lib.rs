@@ -51,6 +51,7 @@ mod elem;
 pub mod error;
 pub mod format;
 mod id;
+mod kind;
 pub mod pool;
 pub mod rules;
 pub mod scope;

@@ -19,13 +19,14 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::allocator::{Allocator, Cuda, Kind};
+use crate::allocator::Allocator;
 pub use crate::backend::RawAllocator;
 use crate::buffer::Buffer;
 use crate::caching::PoolSpec;
 use crate::elem::AnyBitPattern;
 use crate::error::{Error, Result};
 use crate::id::{PoolId, PoolRef};
+use crate::kind::{Cuda, Kind};
 use crate::snapshot::Snapshot;
 use crate::stats::PoolStats;
 

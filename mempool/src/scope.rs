@@ -28,9 +28,9 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::allocator::Kind;
 use crate::error::{Error, Result};
 use crate::id::StreamKey;
+use crate::kind::Kind;
 use crate::pool::MemPool;
 use crate::stream;
 

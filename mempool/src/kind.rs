@@ -1,0 +1,253 @@
+//! Device kinds: what an [`Allocator`](crate::Allocator) serves, which fixes its stream type and
+//! what its buffers implement; and the shared state a kind's allocator, buffers and pools point to.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use cudarc::driver::{CudaEvent, CudaStream};
+
+use crate::backend::cuda::CudaBackend;
+use crate::backend::sim::SimStream;
+use crate::backend::Keep;
+use crate::caching::DeviceAllocator;
+use crate::id::{StreamId, StreamKey, StreamRef};
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// The kind of device an [`Allocator`](crate::Allocator) serves: [`Cuda`], [`Host`] or [`Sim`].
+/// It fixes the type of the streams, and which traits a [`Buffer`](crate::Buffer) implements (only CUDA buffers implement cudarc's
+/// `DevicePtr`, so a simulated buffer can never reach a kernel).
+pub trait Kind: sealed::Sealed + Sized + Send + Sync + 'static {
+    /// A stream of this kind of device.
+    type Stream: Clone + Send + Sync + 'static;
+    #[doc(hidden)]
+    type Ext: Send + Sync + 'static;
+    #[doc(hidden)]
+    type StreamCache: Default + Send + Sync + 'static;
+    /// The stream's identity for the allocator (unique for the life of the process) and its
+    /// device handle.
+    #[doc(hidden)]
+    fn stream_ref(s: &Self::Stream) -> StreamRef;
+    /// What keeps the stream alive while the allocator may still use its handle.
+    #[doc(hidden)]
+    fn keep(s: &Self::Stream) -> Option<Keep>;
+    #[doc(hidden)]
+    fn stream_device(s: &Self::Stream, allocator_device: usize) -> usize;
+    /// The stream object back from what the allocator holds.
+    #[doc(hidden)]
+    fn resolve(shared: &Shared<Self>, stream: StreamRef, keep: Option<Keep>) -> Self::Stream;
+    /// Orders the buffer's own stream after its uses elsewhere, before its block is freed.
+    #[doc(hidden)]
+    fn before_free(_cache: &Self::StreamCache) {}
+}
+
+/// NVIDIA GPUs through cudarc. Streams are cudarc's `Arc<CudaStream>`.
+#[derive(Debug)]
+pub struct Cuda;
+/// Host memory (pinned when CUDA is present). Streams are notional ids.
+#[derive(Debug)]
+pub struct Host;
+/// The simulated device of [`sim`](crate::sim). Streams are [`SimStream`]s from [`SimDevice::new_stream`].
+#[derive(Debug)]
+pub struct Sim;
+
+impl sealed::Sealed for Cuda {}
+impl sealed::Sealed for Host {}
+impl sealed::Sealed for Sim {}
+
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct CudaExt {
+    backend: Arc<CudaBackend>,
+}
+
+impl CudaExt {
+    pub(crate) fn new(backend: Arc<CudaBackend>) -> CudaExt {
+        CudaExt { backend }
+    }
+
+    pub(crate) fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
+        self.backend.context()
+    }
+}
+
+/// The key of a CUDA stream object. Keyed by the `Arc`'s address, with a `Weak` that pins that
+/// allocation: while an entry exists no other stream can live at its address, so a stream
+/// found here is the very stream the key was made for. Entries of dead streams are pruned; a
+/// stream at a pruned address later gets a fresh key. (The handle cannot be the key: the
+/// driver gives a destroyed stream's handle to the next stream created.)
+fn cuda_stream_key(s: &Arc<CudaStream>) -> StreamKey {
+    type Registry = HashMap<usize, (Weak<CudaStream>, StreamKey)>;
+    static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
+    let mut m = REGISTRY.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    let addr = Arc::as_ptr(s) as usize;
+    if let Some((_, k)) = m.get(&addr) {
+        return *k;
+    }
+    if m.len() >= 64 && m.len().is_power_of_two() {
+        m.retain(|_, (w, _)| w.strong_count() > 0);
+    }
+    let k = StreamKey::fresh();
+    m.insert(addr, (Arc::downgrade(s), k));
+    k
+}
+
+impl Kind for Cuda {
+    type Stream = Arc<CudaStream>;
+    type Ext = CudaExt;
+    type StreamCache = CudaCache;
+    fn stream_ref(s: &Arc<CudaStream>) -> StreamRef {
+        if s.cu_stream().is_null() {
+            // The legacy default stream: one per context, never destroyed.
+            return StreamRef::DEFAULT;
+        }
+        StreamRef { key: cuda_stream_key(s), raw: StreamId(s.cu_stream() as u64) }
+    }
+    fn keep(s: &Arc<CudaStream>) -> Option<Keep> {
+        (!s.cu_stream().is_null()).then(|| s.clone() as Keep)
+    }
+    fn stream_device(s: &Arc<CudaStream>, _: usize) -> usize {
+        s.context().ordinal()
+    }
+    /// The stream object the keep-alive holds; the device's default stream without one.
+    fn resolve(shared: &Shared<Cuda>, _: StreamRef, keep: Option<Keep>) -> Arc<CudaStream> {
+        match keep.and_then(|k| k.downcast::<CudaStream>().ok()) {
+            Some(s) => s,
+            None => shared.ext.backend.context().default_stream(),
+        }
+    }
+    fn before_free(cache: &CudaCache) {
+        cache.before_free();
+    }
+}
+
+impl Kind for Host {
+    type Stream = StreamId;
+    type Ext = ();
+    type StreamCache = ();
+    fn stream_ref(s: &StreamId) -> StreamRef {
+        // Host "streams" are names the caller picks; there is no device object behind them.
+        StreamRef { key: StreamKey(s.0), raw: *s }
+    }
+    fn keep(_: &StreamId) -> Option<Keep> {
+        None
+    }
+    fn stream_device(_: &StreamId, d: usize) -> usize {
+        d
+    }
+    fn resolve(_: &Shared<Host>, s: StreamRef, _: Option<Keep>) -> StreamId {
+        s.raw
+    }
+}
+
+impl Kind for Sim {
+    type Stream = SimStream;
+    type Ext = ();
+    type StreamCache = ();
+    fn stream_ref(s: &SimStream) -> StreamRef {
+        // A simulated device never reuses a stream id.
+        StreamRef { key: StreamKey(s.id.0), raw: s.id }
+    }
+    fn keep(_: &SimStream) -> Option<Keep> {
+        None
+    }
+    fn stream_device(s: &SimStream, _: usize) -> usize {
+        s.device
+    }
+    fn resolve(shared: &Shared<Sim>, s: StreamRef, _: Option<Keep>) -> SimStream {
+        SimStream { device: shared.device, id: s.raw }
+    }
+}
+
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Shared<K: Kind> {
+    pub(crate) core: DeviceAllocator,
+    /// The allocator's id, as the key of this thread's current-stream and route entries.
+    pub(crate) key: u32,
+    pub(crate) device: usize,
+    pub(crate) ext: K::Ext,
+}
+
+impl<K: Kind> Shared<K> {
+    pub(crate) fn new(core: DeviceAllocator, key: u32, device: usize, ext: K::Ext) -> Shared<K> {
+        Shared { core, key, device, ext }
+    }
+}
+
+/// How buffers and handles reach their allocator: the process-wide CUDA allocators live for the
+/// whole process and are shared by reference (no reference count to bump per allocation); the
+/// others are reference counted.
+pub(crate) enum Handle<K: Kind> {
+    Static(&'static Shared<K>),
+    Owned(Arc<Shared<K>>),
+}
+
+impl<K: Kind> Clone for Handle<K> {
+    fn clone(&self) -> Self {
+        match self {
+            Handle::Static(s) => Handle::Static(s),
+            Handle::Owned(a) => Handle::Owned(a.clone()),
+        }
+    }
+}
+
+impl<K: Kind> std::ops::Deref for Handle<K> {
+    type Target = Shared<K>;
+    #[inline]
+    fn deref(&self) -> &Shared<K> {
+        match self {
+            Handle::Static(s) => s,
+            Handle::Owned(a) => a,
+        }
+    }
+}
+
+/// A CUDA buffer's lazily found stream, and the event of its last use on another stream.
+#[doc(hidden)]
+#[derive(Default)]
+pub struct CudaCache {
+    stream: OnceLock<Arc<CudaStream>>,
+    /// Recorded (by cudarc, when the borrow ends) on the other stream after each use there; the
+    /// buffer's own stream waits on it before its next use and before the block is freed.
+    foreign: OnceLock<Option<CudaEvent>>,
+}
+
+impl fmt::Debug for CudaCache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaCache").finish_non_exhaustive()
+    }
+}
+
+impl CudaCache {
+    /// The buffer's stream waits for its last use elsewhere: its block is reused in that
+    /// stream's order.
+    pub(crate) fn before_free(&self) {
+        if let Some(own) = self.stream.get() {
+            self.wait_foreign(own);
+        }
+    }
+
+    /// The buffer's stream, found on first use.
+    pub(crate) fn stream(&self, find: impl FnOnce() -> Arc<CudaStream>) -> &Arc<CudaStream> {
+        self.stream.get_or_init(find)
+    }
+
+    /// The event recorded after each use on another stream (`None` if none could be made).
+    pub(crate) fn foreign_event(&self, own: &CudaStream) -> &Option<CudaEvent> {
+        self.foreign.get_or_init(|| own.context().new_event(None).ok())
+    }
+
+    /// Makes `own` wait for the last use on another stream, if there was one.
+    pub(crate) fn wait_foreign(&self, own: &CudaStream) {
+        if let Some(Some(ev)) = self.foreign.get() {
+            if own.wait(ev).is_err() {
+                // Could not order it on the device: wait on the host instead.
+                let _ = ev.synchronize();
+            }
+        }
+    }
+}
