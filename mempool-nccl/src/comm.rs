@@ -4,90 +4,15 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use cudarc::nccl::{result, sys};
 use mempool::{Allocator, MemPool};
 
 use crate::alloc::check_nccl;
+pub use crate::env::LaunchEnv;
 use crate::error::{nccl, Error, Result};
 use crate::register::{NcclRegistrar, RegState, Registrar, Registration};
-
-/// An element type NCCL reduces: plain bits, so buffers of it can be allocated uninitialised.
-pub trait NcclType: DeviceRepr + mempool::AnyBitPattern {
-    /// NCCL's name for it.
-    const TYPE: sys::ncclDataType_t;
-}
-
-macro_rules! nccl_type {
-    ($($t:ty => $n:ident),* $(,)?) => {$(
-        impl NcclType for $t {
-            const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::$n;
-        }
-    )*};
-}
-
-nccl_type!(i8 => ncclInt8, u8 => ncclUint8, i32 => ncclInt32, u32 => ncclUint32, i64 => ncclInt64,
-    u64 => ncclUint64, f32 => ncclFloat32, f64 => ncclFloat64);
-
-/// bfloat16 as its bits (the upper half of an `f32`), so no half-precision crate is needed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-#[repr(transparent)]
-pub struct Bf16(pub u16);
-
-impl Bf16 {
-    /// Rounds an `f32` to the nearest bfloat16 (ties to even).
-    pub fn from_f32(x: f32) -> Bf16 {
-        let b = x.to_bits();
-        let round = 0x7fff + ((b >> 16) & 1);
-        Bf16((b.wrapping_add(round) >> 16) as u16)
-    }
-
-    /// The `f32` with the same value.
-    pub fn to_f32(self) -> f32 {
-        f32::from_bits(u32::from(self.0) << 16)
-    }
-}
-
-// SAFETY: `Bf16` is `repr(transparent)` over `u16`: plain bits, valid for any value, with the
-// layout NCCL's ncclBfloat16 expects.
-unsafe impl DeviceRepr for Bf16 {}
-
-// SAFETY: `repr(transparent)` over `u16`: every bit pattern is a bfloat16 (NaNs included).
-unsafe impl mempool::AnyBitPattern for Bf16 {}
-
-// SAFETY: all zero bits is +0.0.
-unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
-
-impl NcclType for Bf16 {
-    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclBfloat16;
-}
-
-/// A reduction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduceOp {
-    /// Sum.
-    Sum,
-    /// Product.
-    Prod,
-    /// Maximum.
-    Max,
-    /// Minimum.
-    Min,
-    /// Average.
-    Avg,
-}
-
-impl ReduceOp {
-    fn raw(self) -> sys::ncclRedOp_t {
-        match self {
-            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
-            ReduceOp::Prod => sys::ncclRedOp_t::ncclProd,
-            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-            ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
-            ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
-        }
-    }
-}
+pub use crate::types::{Bf16, NcclType, ReduceOp};
 
 /// A communicator's unique id: made by one rank and handed to the others by any means.
 #[derive(Clone, Copy)]
@@ -244,17 +169,14 @@ impl Communicator {
         Ok(Communicator::wrap(raw, rank, world_size, ctx))
     }
 
-    /// This process's rank from the launcher's environment (`RANK`/`WORLD_SIZE`/`LOCAL_RANK`
-    /// as torchrun sets them, `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, or
+    /// This process's rank from the launcher's environment ([`LaunchEnv`]: `RANK`/`WORLD_SIZE`/
+    /// `LOCAL_RANK` as torchrun sets them, `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, or
     /// `OMPI_COMM_WORLD_RANK`/`_SIZE`/`_LOCAL_RANK`), bootstrapped through NCCL's own mechanism:
     /// `NCCL_COMM_ID=host:port`, or `MASTER_ADDR`/`MASTER_PORT` turned into it (one port above
     /// `MASTER_PORT` under torchrun, whose store holds that port). The device is the local rank.
     pub fn from_env() -> Result<Communicator> {
-        let env = LaunchEnv::read(|k| std::env::var(k).ok())?;
-        if let Some(comm_id) = &env.comm_id_to_set {
-            // Before any NCCL call of this process, so no NCCL thread reads the environment now.
-            std::env::set_var("NCCL_COMM_ID", comm_id);
-        }
+        let env = LaunchEnv::from_process()?;
+        env.export_comm_id();
         let id = Id::new()?;
         Communicator::new(&id, env.rank, env.world_size, env.local_rank)
     }
@@ -527,79 +449,6 @@ impl Communicator {
     /// are gone); pending work is abandoned.
     pub fn abort(self) -> Result<()> {
         self.inner.close(true)
-    }
-}
-
-/// Rank, world size, local rank and bootstrap address from a launcher's environment.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LaunchEnv {
-    /// This process's rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world_size: usize,
-    /// This process's rank on its node (its device).
-    pub local_rank: usize,
-    /// `NCCL_COMM_ID` to set before the first NCCL call (None: it is set already).
-    pub comm_id_to_set: Option<String>,
-}
-
-const RANK_VARS: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
-const SIZE_VARS: [&str; 4] = ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
-const LOCAL_VARS: [&str; 3] = ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"];
-
-impl LaunchEnv {
-    /// Reads the variables through `get` (the process environment in [`Communicator::from_env`]).
-    pub fn read(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
-        let num = |vars: &[&'static str], what: &str| -> Result<Option<usize>> {
-            let mut found: Option<(usize, &'static str)> = None;
-            for &v in vars {
-                if let Some(s) = get(v) {
-                    let n: usize =
-                        s.trim().parse().map_err(|_| Error::Environment(format!("{v}={s:?} is not a {what}")))?;
-                    if let Some((m, w)) = found {
-                        if m != n {
-                            return Err(Error::Environment(format!("{w}={m} and {v}={n} disagree on the {what}")));
-                        }
-                    } else {
-                        found = Some((n, v));
-                    }
-                }
-            }
-            Ok(found.map(|(n, _)| n))
-        };
-        let rank = num(&RANK_VARS, "rank")?
-            .ok_or_else(|| Error::Environment(format!("no rank: set one of {}", RANK_VARS.join(", "))))?;
-        let world_size = num(&SIZE_VARS, "world size")?
-            .ok_or_else(|| Error::Environment(format!("no world size: set one of {}", SIZE_VARS.join(", "))))?;
-        if rank >= world_size {
-            return Err(Error::InvalidRank { rank, world_size });
-        }
-        let local_rank = num(&LOCAL_VARS, "local rank")?.unwrap_or(rank);
-        let comm_id_to_set = match get("NCCL_COMM_ID") {
-            Some(_) => None,
-            None => {
-                let addr = get("MASTER_ADDR");
-                let port = get("MASTER_PORT");
-                match (addr, port) {
-                    (Some(a), Some(p)) => {
-                        let port: u16 = p
-                            .trim()
-                            .parse()
-                            .map_err(|_| Error::Environment(format!("MASTER_PORT={p:?} is not a port")))?;
-                        // torchrun's own store listens on MASTER_PORT; NCCL's root takes the next one.
-                        let port = if get("TORCHELASTIC_RUN_ID").is_some() { port.wrapping_add(1) } else { port };
-                        Some(format!("{a}:{port}"))
-                    }
-                    _ => {
-                        return Err(Error::Environment(
-                            "no bootstrap address: set NCCL_COMM_ID=<host>:<port>, or MASTER_ADDR and MASTER_PORT"
-                                .into(),
-                        ))
-                    }
-                }
-            }
-        };
-        Ok(LaunchEnv { rank, world_size, local_rank, comm_id_to_set })
     }
 }
 

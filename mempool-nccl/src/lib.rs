@@ -21,21 +21,27 @@
 //! | module | what |
 //! | --- | --- |
 //! | [`alloc`] | [`NcclMemAllocator`], [`nccl_pool`] |
-//! | [`comm`] | [`Communicator`], [`Id`], collectives, [`LaunchEnv`] |
+//! | [`types`] | [`NcclType`], [`Bf16`], [`ReduceOp`] |
+//! | [`comm`] | [`Communicator`], [`Id`], collectives, windows |
 //! | [`register`] | [`Registration`], [`Registrar`] |
+//! | [`env`](mod@env) | [`LaunchEnv`]: rank, world size and bootstrap address from torchrun, srun or mpirun |
 //!
 //! NVLink multicast (NVLS) is never forced on: NCCL picks it where the machine and
 //! `NCCL_NVLS_ENABLE` allow.
 
 pub mod alloc;
 pub mod comm;
+pub mod env;
 pub mod error;
 pub mod register;
+pub mod types;
 
 pub use alloc::{nccl_pool, nccl_pool_with, nccl_version, NcclMemAllocator};
-pub use comm::{Bf16, Communicator, Id, LaunchEnv, NcclType, ReduceOp, Window};
+pub use comm::{Communicator, Id, Window};
+pub use env::LaunchEnv;
 pub use error::{Error, Result};
 pub use register::{Registrar, Registration};
+pub use types::{Bf16, NcclType, ReduceOp};
 
 /// The workspace README's examples, compiled as doctests here, where both crates are in reach.
 #[doc = include_str!("../../README.md")]
