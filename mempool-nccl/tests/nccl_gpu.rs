@@ -260,3 +260,69 @@ fn window_registration_checks_its_rules_on_every_rank() {
         comm.destroy().unwrap();
     });
 }
+
+/// Runs `f` on a thread and fails the test if it takes longer than `secs` (the thread is left
+/// behind: the point is that it would hang).
+fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(secs)).unwrap_or_else(|_| panic!("{what} did not return in {secs} s"))
+}
+
+/// Dropping a communicator whose peer never joins an outstanding all-reduce returns at once:
+/// `Drop` aborts (`ncclCommFinalize` would wait for the peer forever).
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn dropping_a_communicator_with_a_peer_gone_does_not_hang() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: a missing peer needs two");
+        return;
+    }
+    let mut comms = Communicator::all_local(&[0, 1]).expect("communicators");
+    let silent = comms.pop().unwrap(); // rank 1: never joins
+    let comm = comms.pop().unwrap();
+    let stream = within(60, "rank 0's all-reduce", move || {
+        let alloc = Allocator::cuda(comm.device()).unwrap();
+        let stream = alloc.current_stream();
+        let pool = nccl_pool(comm.device()).unwrap();
+        let reg = comm.register_pool(&pool).unwrap();
+        let mut b = filled(&pool, &stream, 1f32, 1 << 20);
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap(); // waits for rank 1 on the device
+        drop(reg);
+        drop(comm); // aborts: returns although rank 1 never came
+        (stream, b, pool)
+    });
+    within(60, "rank 1's drop", move || drop(silent));
+    // The aborted all-reduce left the stream (NCCL's kernels watch the abort flag).
+    within(60, "the aborted stream", move || {
+        let _ = stream.0.synchronize();
+        drop(stream);
+    });
+}
+
+/// A hook owning the last clone of a communicator drops it inside the hook: the abort runs
+/// there, and the allocation that triggered the hook returns.
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn last_communicator_dropped_inside_a_hook() {
+    within(120, "an allocation whose hook drops the last communicator", || {
+        let comm = Communicator::all_local(&[0]).expect("communicator").pop().unwrap();
+        let alloc = Allocator::cuda(0).unwrap();
+        let pool = nccl_pool(0).unwrap();
+        let reg = comm.register_pool(&pool).unwrap();
+        let owned = Arc::new(Mutex::new(Some((comm, reg))));
+        let (o, me) = (owned.clone(), alloc.id());
+        let _hook = mempool::trace::attach(move |e| {
+            if e.allocator == me && e.action == mempool::trace::Action::SegmentAlloc {
+                drop(o.lock().unwrap().take());
+            }
+        })
+        .unwrap();
+        let b = pool.alloc::<f32>(16 << 20).unwrap();
+        assert!(owned.lock().unwrap().is_none(), "the hook did not run");
+        drop(b);
+        pool.empty_cache().unwrap();
+    });
+}
