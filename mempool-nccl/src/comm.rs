@@ -175,13 +175,17 @@ impl Communicator {
 
     /// Registers every segment of `pool` with this communicator, those it allocates later as
     /// they are allocated, and deregisters each before it is freed; everything is deregistered
-    /// when the registration is dropped or the communicator ends.
+    /// when the registration is dropped or the communicator ends. Only segments from
+    /// `ncclMemAlloc` are registered (an [`nccl_pool`](crate::nccl_pool)'s): their allocator
+    /// refuses to free a segment NCCL may still have registered, which no other allocator does.
     pub fn register_pool(&self, pool: &MemPool) -> Result<Registration> {
         self.check_device("register_pool", pool.device())?;
         self.attach(pool.allocator(), Some(pool.id()))
     }
 
-    /// The same for every segment of this device, of every pool (the default pools included).
+    /// The same for the `ncclMemAlloc` segments of every pool of this device, present and
+    /// future. Segments of the default pools (cuMemAlloc memory) and of other allocators are
+    /// left alone: their frees would not wait for a failed deregistration.
     pub fn register_device_segments(&self) -> Result<Registration> {
         self.attach(&Allocator::cuda(self.device())?, None)
     }

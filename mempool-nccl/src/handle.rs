@@ -14,17 +14,26 @@
 //!   registration's hook still being delivered when the last registration goes). Nothing is
 //!   deregistered under kernels that may still be running.
 //!
+//! After a successful destroy or abort the communicator's holds in the ledger are released:
+//! NCCL never reads or writes that memory again on behalf of a communicator that is gone.
+//! (Communicators made together in one process share resources that NCCL frees when the last of
+//! them goes; what it still does then to a gone one's registrations is bookkeeping on its own
+//! handles and mappings, not accesses to the memory.)
+//!
 //! Lock order: a registration's state, then this handle's mutex (a registration's hook registers
 //! through the handle). Closing takes the handle's mutex only for single steps, never while it
 //! takes a registration's state.
 
+use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::CudaContext;
 use cudarc::nccl::{result, sys};
 
 use crate::error::{nccl, Error, Result};
+use crate::ledger::{self, Hold, Owner};
 use crate::register::{RegLink, Registrar};
 
 /// What a communicator asks of NCCL, behind a seam so that the life of the handle (closing
@@ -38,7 +47,8 @@ pub(crate) trait CommOps: Send + 'static {
     ///
     /// # Safety
     /// `addr..addr+size` is memory of this communicator's device that stays allocated until it
-    /// is deregistered successfully or the communicator is gone.
+    /// is deregistered successfully or the communicator is gone (the caller holds it in the
+    /// ledger, which `ncclMemFree` consults).
     unsafe fn register(&self, addr: u64, size: usize) -> Result<u64, String>;
     /// `ncclCommDeregister`.
     ///
@@ -179,6 +189,7 @@ pub(crate) enum Close {
 pub(crate) struct CommHandle {
     ops: Mutex<Option<Box<dyn CommOps>>>,
     registrations: Mutex<Vec<RegLink>>,
+    owner: Owner,
 }
 
 impl std::fmt::Debug for CommHandle {
@@ -189,7 +200,11 @@ impl std::fmt::Debug for CommHandle {
 
 impl CommHandle {
     pub(crate) fn new(ops: Box<dyn CommOps>) -> Arc<CommHandle> {
-        Arc::new(CommHandle { ops: Mutex::new(Some(ops)), registrations: Mutex::new(Vec::new()) })
+        Arc::new(CommHandle {
+            ops: Mutex::new(Some(ops)),
+            registrations: Mutex::new(Vec::new()),
+            owner: Owner::fresh(),
+        })
     }
 
     /// The handle while it is open (`None` once destroyed or aborted). NCCL calls on it are
@@ -201,7 +216,7 @@ impl CommHandle {
 
     /// A registrar registering through this communicator (one per registration).
     pub(crate) fn registrar(self: &Arc<Self>) -> Arc<dyn Registrar> {
-        Arc::new(CommRegistrar { comm: self.clone() })
+        Arc::new(CommRegistrar { comm: self.clone(), next: AtomicU64::new(1), handles: Mutex::new(HashMap::new()) })
     }
 
     /// Keeps a link to a registration, to close it before the handle goes.
@@ -217,6 +232,10 @@ impl CommHandle {
     /// - `Abort`: aborts first (NCCL stops this rank's kernels, then frees its registrations
     ///   itself), without deregistering anything under kernels that may still run and without
     ///   any call that could wait; the registrations are then closed by forgetting their handles.
+    ///
+    /// Once NCCL has let the handle go, every hold of this communicator is released: NCCL
+    /// touches none of that memory again on its behalf. If it failed, the holds stay: that
+    /// memory is never given to `ncclMemFree`.
     pub(crate) fn close(&self, how: Close) -> Result<()> {
         let links = std::mem::take(&mut *self.registrations.lock().unwrap_or_else(|p| p.into_inner()));
         if how == Close::Orderly {
@@ -255,9 +274,12 @@ impl CommHandle {
             if gone {
                 l.forget();
             } else {
-                // Later events are ignored.
+                // Later events are ignored; the handles that are left stay held.
                 l.close();
             }
+        }
+        if gone {
+            ledger::release_owner(self.owner);
         }
         r
     }
@@ -271,29 +293,68 @@ impl Drop for CommHandle {
     }
 }
 
-/// Registers segments with one communicator.
+/// Registers segments with one communicator for one registration. Only `ncclMemAlloc` segments
+/// (those in the ledger) are covered, and each registered range is held in the ledger until its
+/// deregistration succeeds or the communicator is gone, so its memory never reaches
+/// `ncclMemFree` while NCCL has it registered.
 struct CommRegistrar {
     comm: Arc<CommHandle>,
+    next: AtomicU64,
+    /// Our handle -> (NCCL's handle, the ledger's hold). NCCL may give the same handle (or none)
+    /// for two registrations, so ours are our own.
+    handles: Mutex<HashMap<u64, (u64, Hold)>>,
+}
+
+impl CommRegistrar {
+    fn handles(&self) -> MutexGuard<'_, HashMap<u64, (u64, Hold)>> {
+        self.handles.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl Registrar for CommRegistrar {
+    fn covers(&self, addr: u64, size: usize) -> bool {
+        ledger::within_segment(addr, size)
+    }
+
     fn register(&self, addr: u64, size: usize) -> Result<u64, String> {
         let guard = self.comm.lock();
         let ops = guard.as_ref().ok_or("the communicator was destroyed or aborted")?;
+        // Held before NCCL has it, in the same step as the check that it is a live segment.
+        let hold = ledger::hold_within_segment(self.comm.owner, addr, size)
+            .ok_or_else(|| format!("{addr:#x} is not a live ncclMemAlloc segment"))?;
         // SAFETY: the segment is live memory of this communicator's device (a registration
-        // registers only segments of its own allocator, the communicator's device's). NOT upheld
-        // yet: a failed deregistration lets the segment be freed while NCCL has it registered
-        // (fixed by the ledger, next).
-        unsafe { ops.register(addr, size) }
+        // registers only segments of its own allocator, the communicator's device's, whose
+        // `NcclMemAllocator` serves that device alone), and the hold just taken keeps it from
+        // `ncclMemFree` until `deregister` below succeeds or the communicator is gone.
+        match unsafe { ops.register(addr, size) } {
+            Ok(raw) => {
+                let ours = self.next.fetch_add(1, Ordering::Relaxed);
+                self.handles().insert(ours, (raw, hold));
+                Ok(ours)
+            }
+            Err(m) => {
+                ledger::release(hold);
+                Err(m)
+            }
+        }
     }
 
     fn deregister(&self, handle: u64) -> Result<(), String> {
         let guard = self.comm.lock();
-        // Destroyed or aborted: NCCL let the registration go with the handle.
-        let Some(ops) = guard.as_ref() else { return Ok(()) };
-        // SAFETY: `handle` came from `ops.register` on this communicator, through `register`
-        // above, and the registration deregisters each handle once.
-        unsafe { ops.deregister(handle) }
+        let Some(ops) = guard.as_ref() else {
+            // Destroyed or aborted: NCCL let the registration go with the handle. Its hold went
+            // with the communicator's holds if the close succeeded, and stays if it failed.
+            self.handles().remove(&handle);
+            return Ok(());
+        };
+        let raw = self.handles().get(&handle).map(|h| h.0).ok_or("unknown handle")?;
+        // SAFETY: `raw` came from `ops.register` on this communicator (through `register` above)
+        // and is forgotten once a deregistration succeeds.
+        unsafe { ops.deregister(raw) }?;
+        if let Some((_, hold)) = self.handles().remove(&handle) {
+            ledger::release(hold);
+        }
+        Ok(())
     }
 }
 

@@ -21,7 +21,7 @@
 //!
 //! | module | what |
 //! | --- | --- |
-//! | [`alloc`] | [`NcclMemAllocator`], [`nccl_pool`] |
+//! | [`alloc`] | [`NcclMemAllocator`], [`nccl_pool`]: `ncclMemAlloc` segments, never freed while NCCL holds them |
 //! | [`types`] | [`NcclType`], [`Bf16`], [`ReduceOp`] |
 //! | [`comm`] | [`Communicator`], [`Id`], collectives; how a communicator ends |
 //! | [`window`] | [`Window`]: symmetric windows |
@@ -39,6 +39,7 @@ pub mod comm;
 pub mod env;
 pub mod error;
 mod handle;
+mod ledger;
 pub mod register;
 pub mod types;
 pub mod window;

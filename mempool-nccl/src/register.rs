@@ -7,6 +7,12 @@
 //! (`ncclCommRegister`), and the tests a recording one on the simulated device. This module knows
 //! nothing of communicators; a communicator keeps a `RegLink` to each of its registrations to
 //! close them before it goes.
+//!
+//! A deregistration that fails keeps its handle: the segment is still registered. Its allocator
+//! must then refuse to free it (the `ncclMemAlloc` allocator does, through the crate's ledger),
+//! which makes the caching allocator keep the segment cached and announce it again; the
+//! registration keeps the handle it has and tries to deregister again at the segment's next
+//! free (a later `empty_cache`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
@@ -18,11 +24,24 @@ use crate::error::{Error, Result};
 
 /// Registers and deregisters segments (NCCL's `ncclCommRegister`/`ncclCommDeregister` through a
 /// communicator, or a recording stand-in in tests).
+///
+/// A registrar's memory must not be freed while it is registered: when
+/// [`deregister`](Registrar::deregister) fails, the [`Registration`] keeps the handle and tries
+/// again at the segment's next free, so the segment's allocator has to refuse to free it
+/// meanwhile (returning an error from `RawAllocator::free` keeps it cached).
 pub trait Registrar: Send + Sync + 'static {
     /// Registers `size` bytes at `addr`; returns a handle for [`deregister`](Registrar::deregister).
     fn register(&self, addr: u64, size: usize) -> Result<u64, String>;
-    /// Undoes a registration.
+    /// Undoes a registration. On an error the registration stays in place and the handle is
+    /// kept, to be deregistered again later.
     fn deregister(&self, handle: u64) -> Result<(), String>;
+    /// Whether the segment at `addr` is for this registrar at all; those it declines are left
+    /// alone without an error. A communicator registers only `ncclMemAlloc` segments, the ones
+    /// whose free waits for their deregistration. Every segment by default.
+    fn covers(&self, addr: u64, size: usize) -> bool {
+        let _ = (addr, size);
+        true
+    }
 }
 
 /// One registered segment.
@@ -37,7 +56,7 @@ struct RegState {
     registrar: Arc<dyn Registrar>,
     allocator: AllocatorId,
     pool: Option<PoolId>,
-    /// Registered segments by address.
+    /// Registered segments by address, including those whose deregistration failed.
     entries: HashMap<u64, Entry>,
     /// Segments the hook saw freed while the initial segments were being registered.
     freed_meanwhile: Option<HashSet<u64>>,
@@ -53,7 +72,27 @@ fn lock(s: &Mutex<RegState>) -> MutexGuard<'_, RegState> {
 
 impl RegState {
     fn register(&mut self, addr: u64, size: usize) {
-        if self.closed || self.entries.contains_key(&addr) {
+        if self.closed {
+            return;
+        }
+        if let Some(e) = self.entries.get(&addr).copied() {
+            if e.size == size {
+                // Still registered: its deregistration failed, so its free was refused and the
+                // allocator announces it again. The handle it has stays.
+                return;
+            }
+            // Another segment at the same address: the old one was freed after all (its
+            // allocator did not wait for the deregistration). Try once more, then forget it.
+            self.deregister(addr);
+            if self.entries.remove(&addr).is_some() {
+                self.errors.push(Error::Registration {
+                    segment: addr,
+                    size: e.size,
+                    message: "freed while its deregistration had failed; its handle is dropped".into(),
+                });
+            }
+        }
+        if !self.registrar.covers(addr, size) {
             return;
         }
         match self.registrar.register(addr, size) {
@@ -64,19 +103,23 @@ impl RegState {
         }
     }
 
+    /// Deregisters the segment at `addr` if it is registered; on failure the entry stays.
     fn deregister(&mut self, addr: u64) {
-        if let Some(e) = self.entries.remove(&addr) {
-            if let Err(message) = self.registrar.deregister(e.handle) {
-                self.errors.push(Error::Registration {
-                    segment: addr,
-                    size: e.size,
-                    message: format!("deregister: {message}"),
-                });
+        let Some(e) = self.entries.get(&addr).copied() else { return };
+        match self.registrar.deregister(e.handle) {
+            Ok(()) => {
+                self.entries.remove(&addr);
             }
+            Err(message) => self.errors.push(Error::Registration {
+                segment: addr,
+                size: e.size,
+                message: format!("deregister: {message} (still registered; tried again at its next free)"),
+            }),
         }
     }
 
-    /// Deregisters everything; later events are ignored.
+    /// Deregisters everything; later events are ignored. Entries whose deregistration fails
+    /// stay (their memory is still registered).
     fn close(&mut self) {
         let addrs: Vec<u64> = self.entries.keys().copied().collect();
         for a in addrs {
@@ -123,8 +166,8 @@ impl RegLink {
         }
     }
 
-    /// Drops the handles left: the registrar's registrations are void now (its communicator is
-    /// gone).
+    /// Drops the handles left (deregistrations that failed): the registrar's registrations are
+    /// void now.
     pub(crate) fn forget(&self) {
         if let Some(s) = self.0.upgrade() {
             let mut st = lock(&s);
@@ -193,7 +236,8 @@ impl Registration {
         RegLink(Arc::downgrade(&self.state))
     }
 
-    /// The segments registered now, `(address, size)` in address order.
+    /// The segments registered now, `(address, size)` in address order (those whose
+    /// deregistration failed included: they are still registered).
     pub fn segments(&self) -> Vec<(u64, usize)> {
         let st = lock(&self.state);
         let mut v: Vec<(u64, usize)> = st.entries.iter().map(|(a, e)| (*a, e.size)).collect();

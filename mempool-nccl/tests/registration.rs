@@ -1,6 +1,6 @@
 //! The registration bookkeeping on the simulated device, through a recording registrar: which
-//! segment is registered, in which order, across pool growth, release, drops inside hooks, and
-//! other allocators of the same device index.
+//! segment is registered, in which order, across pool growth, release, failed deregistrations,
+//! drops inside hooks, and other allocators of the same device index.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -16,6 +16,8 @@ struct Book {
     live: Vec<(u64, u64, usize)>, // handle, addr, size
     log: Vec<String>,
     refuse: Option<u64>,
+    /// Failure injection: `deregister` fails (and the registration stays live) while set.
+    fail_deregister: bool,
 }
 
 /// Records every call; a registration is live from `register` to a successful `deregister`.
@@ -30,6 +32,9 @@ impl Recording {
     }
     fn log(&self) -> Vec<String> {
         self.0.lock().unwrap().log.clone()
+    }
+    fn fail_deregister(&self, yes: bool) {
+        self.0.lock().unwrap().fail_deregister = yes;
     }
 }
 
@@ -49,6 +54,10 @@ impl Registrar for Recording {
         let mut b = self.0.lock().unwrap();
         let i = b.live.iter().position(|l| l.0 == handle).ok_or("unknown handle")?;
         let addr = b.live[i].1;
+        if b.fail_deregister {
+            b.log.push(format!("deregister {addr:#x} failed"));
+            return Err("ncclInternalError".into());
+        }
         b.live.remove(i);
         b.log.push(format!("deregister {addr:#x}"));
         Ok(())
@@ -201,6 +210,40 @@ fn device_wide_registration_covers_every_pool() {
     assert_eq!(r.live().len(), 2);
     drop(reg);
     assert!(r.live().is_empty());
+}
+
+/// A failed deregistration keeps its handle: the segment is still registered, so its free is
+/// refused and the caching allocator keeps it (announcing it again, which must not register it a
+/// second time); the next free retries the deregistration and then the segment goes.
+#[test]
+fn a_failed_deregistration_keeps_the_handle_and_the_segment_until_a_retry() {
+    let r = Recording::default();
+    let Setup { a, pool, frees, refused } = setup(vec![r.clone()]);
+    let reg = attach(&a, &pool, &r);
+    drop(pool.alloc::<u8>(100).unwrap());
+    let seg = r.live()[0];
+    r.fail_deregister(true);
+    let e = pool.empty_cache().unwrap_err();
+    assert!(e.to_string().contains("still registered"), "{e}");
+    assert_eq!(*refused.lock().unwrap(), [seg.0]);
+    assert!(frees.lock().unwrap().is_empty());
+    assert_eq!(r.live(), [seg], "announced again, the segment was registered twice");
+    assert_eq!(reg.segments(), [seg], "the registration dropped a handle that is still registered");
+    let errors = reg.take_errors();
+    assert!(matches!(&errors[..], [Error::Registration { segment, .. }] if *segment == seg.0), "{errors:?}");
+    // The pool works on with the cached segment.
+    let x = pool.alloc::<u8>(100).unwrap();
+    assert_eq!(x.device_ptr_raw(), seg.0);
+    drop(x);
+    // Once NCCL can deregister it, the next free does, and the segment goes back.
+    r.fail_deregister(false);
+    pool.empty_cache().unwrap();
+    assert_eq!(*frees.lock().unwrap(), [seg.0]);
+    assert!(r.live().is_empty());
+    assert!(reg.segments().is_empty());
+    let registers = r.log().iter().filter(|l| l.starts_with("register")).count();
+    assert_eq!(registers, 1, "{:?}", r.log());
+    assert_eq!(r.log().last().unwrap(), &format!("deregister {:#x}", seg.0));
 }
 
 /// A registration dropped inside a trace hook detaches: what it had registered is deregistered

@@ -1,5 +1,6 @@
 //! The life of a communicator's handle on the CPU: a stand-in for NCCL's calls behind
-//! [`CommOps`], the real registrar, and a simulated device.
+//! [`CommOps`], the real registrar and ledger, and a simulated device whose pool allocator frees
+//! through the ledger as `NcclMemAllocator` does.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,6 +12,7 @@ use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, Sim, 
 
 use super::{Close, CommHandle, CommOps};
 use crate::error::{Error, Result};
+use crate::ledger;
 use crate::register::Registration;
 
 /// What the stand-in was asked, in order.
@@ -26,10 +28,12 @@ impl Log {
     }
 }
 
-/// NCCL's calls, recorded; `ncclCommFinalize` panics (it would wait for every peer: a `Drop` must never call it).
+/// NCCL's calls, recorded; `ncclCommDeregister` fails while `fail_deregister` is set, and
+/// `ncclCommFinalize` panics (it would wait for every peer: a `Drop` must never call it).
 struct FakeNccl {
     log: Log,
     next: AtomicU64,
+    fail_deregister: Arc<AtomicBool>,
 }
 
 impl CommOps for FakeNccl {
@@ -44,6 +48,10 @@ impl CommOps for FakeNccl {
         Ok(self.next.fetch_add(1, Ordering::Relaxed))
     }
     unsafe fn deregister(&self, handle: u64) -> Result<(), String> {
+        if self.fail_deregister.load(Ordering::Relaxed) {
+            self.log.push(format!("deregister {handle} failed"));
+            return Err("ncclInternalError".into());
+        }
         self.log.push(format!("deregister {handle}"));
         Ok(())
     }
@@ -71,21 +79,23 @@ impl CommOps for FakeNccl {
     }
 }
 
-fn fake() -> (Arc<CommHandle>, Log) {
+fn fake() -> (Arc<CommHandle>, Log, Arc<AtomicBool>) {
     let log = Log::default();
-    let ops = FakeNccl { log: log.clone(), next: AtomicU64::new(1) };
-    (CommHandle::new(Box::new(ops)), log)
+    let fail = Arc::new(AtomicBool::new(false));
+    let ops = FakeNccl { log: log.clone(), next: AtomicU64::new(1), fail_deregister: fail.clone() };
+    (CommHandle::new(Box::new(ops)), log, fail)
 }
 
-/// Segments for a simulated pool at addresses of the test's own.
-struct SimAlloc {
+/// Segments for a simulated pool, in the ledger like `ncclMemAlloc`'s, freed through
+/// `ledger::free_segment` like `NcclMemAllocator::free` (a held one is refused).
+struct LedgerAlloc {
     next: Mutex<u64>,
     frees: Arc<Mutex<Vec<u64>>>,
 }
 
 // SAFETY: only used by simulated allocators, which never read or write the memory; the
 // addresses are distinct granularity-aligned ranges (each test its own), each handed out once.
-unsafe impl RawAllocator for SimAlloc {
+unsafe impl RawAllocator for LedgerAlloc {
     fn name(&self) -> &str {
         "ledger"
     }
@@ -93,11 +103,15 @@ unsafe impl RawAllocator for SimAlloc {
         let mut n = self.next.lock().unwrap();
         let a = *n;
         *n += (size as u64).next_multiple_of(2 << 20);
+        ledger::add_segment(a, size);
         Ok(a)
     }
-    unsafe fn free(&self, ptr: u64, _: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
-        self.frees.lock().unwrap().push(ptr);
-        Ok(())
+    unsafe fn free(&self, ptr: u64, size: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
+        ledger::free_segment(ptr, size, || -> Result<(), String> {
+            self.frees.lock().unwrap().push(ptr);
+            Ok(())
+        })
+        .map_err(|e| BackendError::Failed(format!("{e:?}")))
     }
     fn granularity(&self) -> usize {
         2 << 20
@@ -107,7 +121,7 @@ unsafe impl RawAllocator for SimAlloc {
 fn sim_pool(base: u64) -> (Allocator<Sim>, MemPool<Sim>, Arc<Mutex<Vec<u64>>>) {
     let a = Allocator::sim(SimDevice::new(1 << 34));
     let frees = Arc::default();
-    let raw = SimAlloc { next: Mutex::new(base), frees: Arc::clone(&frees) };
+    let raw = LedgerAlloc { next: Mutex::new(base), frees: Arc::clone(&frees) };
     let pool = MemPool::on(&a, PoolOptions::new().allocator(raw)).unwrap();
     (a, pool, frees)
 }
@@ -120,7 +134,7 @@ fn attach(comm: &Arc<CommHandle>, a: &Allocator<Sim>, pool: &MemPool<Sim>) -> Re
 
 #[test]
 fn drop_of_the_last_handle_aborts_after_deregistering_and_never_finalizes() {
-    let (comm, log) = fake();
+    let (comm, log, _) = fake();
     let (a, pool, _frees) = sim_pool(0x6100_0000_0000);
     let reg = attach(&comm, &a, &pool);
     let x = pool.alloc::<u8>(100).unwrap();
@@ -132,7 +146,7 @@ fn drop_of_the_last_handle_aborts_after_deregistering_and_never_finalizes() {
 
 #[test]
 fn the_orderly_end_waits_deregisters_then_finalizes() {
-    let (comm, log) = fake();
+    let (comm, log, _) = fake();
     let (a, pool, _frees) = sim_pool(0x6200_0000_0000);
     let reg = attach(&comm, &a, &pool);
     let _x = pool.alloc::<u8>(100).unwrap();
@@ -149,13 +163,15 @@ fn the_orderly_end_waits_deregisters_then_finalizes() {
 /// are closed, their handles forgotten, and their segments free to go.
 #[test]
 fn abort_first_then_the_registrations_are_forgotten() {
-    let (comm, log) = fake();
+    let (comm, log, _) = fake();
     let (a, pool, frees) = sim_pool(0x6700_0000_0000);
     let reg = attach(&comm, &a, &pool);
     drop(pool.alloc::<u8>(100).unwrap());
+    assert!(ledger::is_held(0x6700_0000_0000, 2 << 20));
     comm.close(Close::Abort).unwrap();
     assert_eq!(log.all(), ["register 0x670000000000", "abort"]);
     assert!(reg.segments().is_empty());
+    assert!(!ledger::is_held(0x6700_0000_0000, 2 << 20));
     let _later = pool.alloc::<u8>(30 << 20).unwrap(); // closed: not registered
     assert_eq!(log.all().len(), 2);
     pool.empty_cache().unwrap();
@@ -165,7 +181,7 @@ fn abort_first_then_the_registrations_are_forgotten() {
 
 #[test]
 fn last_handle_dropped_inside_a_hook_aborts_there_without_blocking() {
-    let (comm, log) = fake();
+    let (comm, log, _) = fake();
     let (a, pool, frees) = sim_pool(0x6300_0000_0000);
     let reg = attach(&comm, &a, &pool);
     let first = pool.alloc::<u8>(100).unwrap();
@@ -189,15 +205,60 @@ fn last_handle_dropped_inside_a_hook_aborts_there_without_blocking() {
     assert_eq!(log.first().map(String::as_str), Some("register 0x630000000000"));
     assert_eq!(log.last().map(String::as_str), Some("abort"), "{log:?}");
     assert!(!log.iter().any(|l| l == "finalize"), "{log:?}");
-    // Every registration was undone before the abort: both segments go.
+    // Every registration was undone before the abort, and nothing is held: both segments go.
+    assert!(!ledger::is_held(0x6300_0000_0000, 64 << 20));
     drop((first, second));
     pool.empty_cache().unwrap();
     assert_eq!(frees.lock().unwrap().len(), 2);
 }
 
 #[test]
+fn a_failed_deregistration_holds_the_segment_until_a_retry_succeeds() {
+    let (comm, log, fail) = fake();
+    let (a, pool, frees) = sim_pool(0x6400_0000_0000);
+    let reg = attach(&comm, &a, &pool);
+    drop(pool.alloc::<u8>(100).unwrap());
+    fail.store(true, Ordering::Relaxed);
+    // The segment's free is refused (NCCL still has it), it stays cached and is announced again
+    // without a second registration.
+    let e = pool.empty_cache().unwrap_err();
+    assert!(e.to_string().contains("Held"), "{e}");
+    assert!(frees.lock().unwrap().is_empty());
+    assert_eq!(reg.segments(), [(0x6400_0000_0000, 2 << 20)]);
+    assert!(ledger::is_held(0x6400_0000_0000, 2 << 20));
+    assert_eq!(reg.take_errors().len(), 1);
+    // The pool keeps using it.
+    drop(pool.alloc::<u8>(100).unwrap());
+    fail.store(false, Ordering::Relaxed);
+    pool.empty_cache().unwrap();
+    assert_eq!(*frees.lock().unwrap(), [0x6400_0000_0000]);
+    assert!(reg.segments().is_empty());
+    assert!(!ledger::is_held(0x6400_0000_0000, 2 << 20));
+    let log = log.all();
+    assert_eq!(log.iter().filter(|l| l.starts_with("register")).count(), 1, "{log:?}");
+    assert_eq!(log.last().unwrap(), "deregister 1");
+}
+
+#[test]
+fn a_failed_deregistration_holds_until_the_communicator_is_aborted() {
+    let (comm, _log, fail) = fake();
+    let (a, pool, frees) = sim_pool(0x6500_0000_0000);
+    let reg = attach(&comm, &a, &pool);
+    drop(pool.alloc::<u8>(100).unwrap());
+    fail.store(true, Ordering::Relaxed);
+    drop(reg); // its deregistration fails: the registration is gone, the segment still held
+    assert!(ledger::is_held(0x6500_0000_0000, 2 << 20));
+    assert!(pool.empty_cache().is_err());
+    assert!(frees.lock().unwrap().is_empty());
+    comm.close(Close::Abort).unwrap(); // NCCL lets every registration go with the handle
+    assert!(!ledger::is_held(0x6500_0000_0000, 2 << 20));
+    pool.empty_cache().unwrap();
+    assert_eq!(*frees.lock().unwrap(), [0x6500_0000_0000]);
+}
+
+#[test]
 fn a_closed_communicator_registers_nothing() {
-    let (comm, _log) = fake();
+    let (comm, _log, _) = fake();
     let (a, pool, _frees) = sim_pool(0x6600_0000_0000);
     comm.close(Close::Abort).unwrap();
     let reg = attach(&comm, &a, &pool);
@@ -205,4 +266,17 @@ fn a_closed_communicator_registers_nothing() {
     assert!(reg.segments().is_empty());
     let errors = reg.take_errors();
     assert!(matches!(&errors[..], [Error::Registration { .. }]), "{errors:?}");
+    assert!(!ledger::is_held(0x6600_0000_0000, 2 << 20));
+}
+
+#[test]
+fn only_ledger_segments_are_registered() {
+    // Segments of the default pools (not from ncclMemAlloc) are left alone, without an error.
+    let (comm, log, _) = fake();
+    let a = Allocator::sim(SimDevice::new(1 << 30));
+    let reg = Registration::attach(&a, None, comm.registrar()).unwrap();
+    let _x = a.alloc::<u8>(100).unwrap();
+    assert!(reg.segments().is_empty());
+    assert!(reg.take_errors().is_empty());
+    assert!(log.all().is_empty());
 }
