@@ -68,6 +68,8 @@ pub(crate) trait CommOps: Send + 'static {
     /// `win` came from [`window_register`](CommOps::window_register) on this value and has not
     /// been deregistered successfully yet; no operation queued so far still uses it.
     unsafe fn window_deregister(&self, win: usize) -> Result<()>;
+    /// `ncclCommGetAsyncError`: an error NCCL found in the background (a peer gone, say).
+    fn async_error(&self) -> Result<()>;
     /// Waits for everything queued on the communicator's device.
     fn synchronize(&self) -> Result<()>;
     /// `ncclCommFinalize` (collective).
@@ -149,6 +151,15 @@ impl CommOps for NcclComm {
             .map_err(|e| nccl("ncclCommWindowDeregister", e))
     }
 
+    fn async_error(&self) -> Result<()> {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: `self.raw` is live; `state` is a valid out pointer.
+        unsafe { sys::ncclCommGetAsyncError(self.raw, &mut state) }
+            .result()
+            .map_err(|e| nccl("ncclCommGetAsyncError", e))?;
+        state.result().map(drop).map_err(|e| nccl("NCCL (asynchronous error)", e))
+    }
+
     fn synchronize(&self) -> Result<()> {
         self.ctx.synchronize().map_err(|e| Error::Cuda(e.to_string()))
     }
@@ -212,6 +223,11 @@ impl CommHandle {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Option<Box<dyn CommOps>>> {
         // NCCL calls do not panic; a poisoned lock still guards a consistent handle.
         self.ops.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whose holds this communicator's registrations and windows take in the ledger.
+    pub(crate) fn owner(&self) -> Owner {
+        self.owner
     }
 
     /// A registrar registering through this communicator (one per registration).

@@ -24,7 +24,7 @@
 //! | [`alloc`] | [`NcclMemAllocator`], [`nccl_pool`]: `ncclMemAlloc` segments, never freed while NCCL holds them |
 //! | [`types`] | [`NcclType`], [`Bf16`], [`ReduceOp`] |
 //! | [`comm`] | [`Communicator`], [`Id`], collectives; how a communicator ends |
-//! | [`window`] | [`Window`]: symmetric windows |
+//! | [`window`] | [`Window`]: a buffer registered for symmetric collectives, borrowed while registered |
 //! | [`register`] | [`Registration`], [`Registrar`]: segments registered as a pool grows and shrinks |
 //! | [`env`](mod@env) | [`LaunchEnv`]: rank, world size and bootstrap address from torchrun, srun or mpirun |
 //!

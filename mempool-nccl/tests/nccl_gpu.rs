@@ -236,27 +236,49 @@ fn child_rank_from_environment() {
 fn window_registration_checks_its_rules_on_every_rank() {
     on_every_gpu(|comm| {
         let dev = comm.device();
-        let stream = Allocator::cuda(dev).unwrap().current_stream();
-        let pool = mempool_nccl::nccl_pool_with(dev, PoolOptions::new().no_split(true)).unwrap();
-        let mut buf = filled(&pool, &stream, (comm.rank() + 1) as f32, 1 << 20);
-        let seg = pool.snapshot().segments.into_iter().find(|s| s.address == buf.device_ptr_raw()).unwrap();
-        // Misaligned on every rank: refused everywhere, before NCCL.
-        let e = comm.register_window(seg.address + 512, seg.total_size - 512, &stream).unwrap_err();
-        assert!(e.to_string().contains("granularity"), "{e}");
+        let alloc = Allocator::cuda(dev).unwrap();
+        let stream = alloc.current_stream();
+        let whole = mempool_nccl::nccl_pool_with(dev, PoolOptions::new().no_split(true)).unwrap();
+        let split = nccl_pool(dev).unwrap();
+        // Not ncclMemAlloc memory (the default pool): refused on every rank, before NCCL.
+        let mut def = alloc.alloc::<f32>(1 << 20).unwrap();
+        let e = comm.register_window(&mut def, &stream).unwrap_err();
+        assert!(matches!(e, mempool_nccl::Error::Window(_)), "{e}");
+        // Not at a granularity boundary (the second block of a segment): refused everywhere.
+        let mut first = filled(&split, &stream, 0f32, 128);
+        let mut second = filled(&split, &stream, 0f32, 128);
+        let e = comm.register_window(&mut second, &stream).unwrap_err();
+        assert!(e.to_string().contains("not a multiple of the allocation granularity"), "{e}");
+        // At the start of a segment, but its block (512 bytes) does not cover the rounded range,
+        // where other buffers (`second`) live: refused.
+        let e = comm.register_window(&mut first, &stream).unwrap_err();
+        assert!(e.to_string().contains("block does not cover"), "{e}");
         // Sizes that differ between ranks: every rank learns it and refuses.
-        let half = seg.total_size / 2;
-        let size = if comm.rank() == 0 { seg.total_size } else { half };
-        if half % (2 << 20) == 0 && comm.world_size() > 1 {
-            let e = comm.register_window(seg.address, size, &stream).unwrap_err();
+        if comm.world_size() > 1 {
+            let n = if comm.rank() == 0 { 1 << 20 } else { 1 << 19 };
+            let mut b = filled(&whole, &stream, 0f32, n);
+            let e = comm.register_window(&mut b, &stream).unwrap_err();
             assert!(e.to_string().contains("the same size"), "{e}");
         }
-        // By the rules: registered, used, deregistered.
-        let w = comm.register_window(seg.address, seg.total_size, &stream).unwrap();
-        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream).unwrap();
+        // By the rules: registered, used through the window, deregistered (waiting for the
+        // all-reduce first).
+        let mut buf = filled(&whole, &stream, (comm.rank() + 1) as f32, 1 << 20);
+        let mut w = comm.register_window(&mut buf, &stream).unwrap();
+        assert_eq!(w.range(), (w.device_ptr_raw(), 4 << 20));
+        comm.all_reduce_in_place(&mut *w, ReduceOp::Sum, &stream).unwrap();
+        w.deregister().unwrap();
         let world = comm.world_size();
         let want = (world * (world + 1) / 2) as f32;
         assert!(stream.clone_dtoh(&buf).unwrap().iter().all(|x| *x == want));
-        w.deregister().unwrap();
+        // Dropping a window right after queueing work on it waits for that work, deregisters,
+        // and the segment can then go back to the device.
+        let mut w = comm.register_window(&mut buf, &stream).unwrap();
+        comm.all_reduce_in_place(&mut *w, ReduceOp::Sum, &stream).unwrap();
+        drop(w);
+        assert!(stream.clone_dtoh(&buf).unwrap().iter().all(|x| *x == want * world as f32));
+        drop(buf);
+        whole.empty_cache().unwrap();
+        assert!(whole.snapshot().segments.iter().all(|s| s.total_size != 4 << 20), "the window's segment was kept");
         comm.destroy().unwrap();
     });
 }

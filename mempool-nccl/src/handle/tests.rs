@@ -61,6 +61,9 @@ impl CommOps for FakeNccl {
     unsafe fn window_deregister(&self, _: usize) -> Result<()> {
         unreachable!("no windows here")
     }
+    fn async_error(&self) -> Result<()> {
+        Ok(())
+    }
     fn synchronize(&self) -> Result<()> {
         self.log.push("synchronize".into());
         Ok(())
