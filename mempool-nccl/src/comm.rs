@@ -357,7 +357,16 @@ impl Communicator {
 
     /// Runs `f` between `ncclGroupStart` and `ncclGroupEnd` (several collectives or sends and
     /// receives issued as one).
-    pub fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    ///
+    /// # Safety
+    ///
+    /// Inside a group NCCL queues the operations when the group ends, not when they are called,
+    /// so the stream ordering each call records for its buffers (which lets a dropped buffer's
+    /// memory be reused only after the work on it) is recorded before the work exists. Every
+    /// buffer used inside `f` must stay alive, and unused on other streams, until the work the
+    /// group queued is done: synchronize the streams used in the group after `group` returns
+    /// (or failed) before dropping those buffers or touching them elsewhere.
+    pub unsafe fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
         check_nccl()?;
         result::group_start().map_err(|e| nccl("ncclGroupStart", e))?;
         let r = f();
