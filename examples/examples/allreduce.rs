@@ -151,7 +151,8 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
     let stream = alloc.current_stream();
     let pool = nccl_pool(dev).map_err(|x| e(&x))?;
     let registration = comm.register_pool(&pool).map_err(|x| e(&x))?;
-    // Whole-segment buffers for windows: a window covers exactly one buffer's segment.
+    // Whole-segment buffers for windows: a window covers its buffer rounded up to the allocation
+    // granularity, inside one ncclMemAlloc segment (a no_split pool's buffer owns its segment).
     let win_pool = nccl_pool_with(dev, PoolOptions::new().no_split(true)).map_err(|x| e(&x))?;
     if rank == 0 {
         let (a, b, c) = nccl_version().map_err(|x| e(&x))?;
@@ -176,10 +177,9 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
         drop(reg_buf);
         let win = if o.window {
             let mut buf = pool_buffer(&win_pool, &stream, n, value).map_err(|x| e(&x))?;
-            let seg = win_pool.snapshot().segments.into_iter().find(|s| s.address == buf.device_ptr_raw());
-            let seg = seg.ok_or("a no_split buffer did not start its segment")?;
-            let window = comm.register_window(seg.address, seg.total_size, &stream).map_err(|x| e(&x))?;
-            let t = measure(&comm, &stream, &sync, &alloc, &mut buf, o.iters)?;
+            // The window borrows the buffer until it is deregistered; collectives use it through it.
+            let mut window = comm.register_window(&mut buf, &stream).map_err(|x| e(&x))?;
+            let t = measure(&comm, &stream, &sync, &alloc, &mut window, o.iters)?;
             window.deregister().map_err(|x| e(&x))?;
             Some(t)
         } else {

@@ -9,6 +9,7 @@ use cudarc::nccl::sys;
 use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, StreamId};
 
 use crate::error::{Error, Result};
+use crate::ledger;
 
 /// Whether libnccl can be loaded (probed once: cudarc panics when it cannot).
 pub(crate) fn check_nccl() -> Result<()> {
@@ -54,6 +55,12 @@ pub fn recommended_granularity(ctx: &Arc<CudaContext>) -> Result<usize> {
 
 /// A [`RawAllocator`] over `ncclMemAlloc` / `ncclMemFree`: memory NCCL can register for zero-copy
 /// collectives (and, where the machine allows, NVLS reductions).
+///
+/// Its `free` refuses a segment that a communicator may still have registered (a
+/// deregistration that failed, a window that could not be deregistered): the pool keeps such a
+/// segment cached, and it is freed by a later `empty_cache` once the registration is undone or
+/// its communicator is destroyed or aborted. Only segments of this allocator are ever registered
+/// with NCCL by this crate (see [`Registrar::covers`](crate::Registrar::covers)).
 #[derive(Debug, Clone)]
 pub struct NcclMemAllocator {
     ctx: Arc<CudaContext>,
@@ -73,6 +80,7 @@ impl NcclMemAllocator {
 // SAFETY: `alloc` returns what `ncclMemAlloc` returned for exactly `size` bytes of this device
 // (a cuMem allocation sized and aligned to the recommended granularity, which `granularity`
 // reports), owned by the caller until `free` gives it to `ncclMemFree`; other devices are refused.
+// NCCL only ever reads or writes it during collectives the caller issues on it.
 unsafe impl RawAllocator for NcclMemAllocator {
     fn name(&self) -> &str {
         "ncclMemAlloc"
@@ -91,6 +99,7 @@ unsafe impl RawAllocator for NcclMemAllocator {
         // owned by the caller until `free`.
         let r = unsafe { sys::ncclMemAlloc(&mut p, size) };
         if r == sys::ncclResult_t::ncclSuccess && !p.is_null() {
+            ledger::add_segment(p as u64, size);
             return Ok(p as u64);
         }
         // NCCL reports a failed cuMem allocation as an unhandled CUDA error: tell out-of-memory
@@ -103,24 +112,47 @@ unsafe impl RawAllocator for NcclMemAllocator {
         }
     }
 
-    unsafe fn free(&self, ptr: u64, _size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {
+        // A communicator may still have part of it registered (a deregistration that failed, a
+        // window whose deregistration could not wait): refused before anything else, so the
+        // segment stays cached, whole and usable, and a later `empty_cache` tries again.
+        if ledger::is_held(ptr, size) {
+            return Err(held(ptr, size));
+        }
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
         // Work queued on the segment's stream may still use it: the unmap inside ncclMemFree
         // must come after it.
         // SAFETY: the caller promises `stream` is the segment's stream, alive during this call.
         unsafe { cudarc::driver::result::stream::synchronize(stream.0 as cu::CUstream) }
             .map_err(|e| BackendError::Failed(format!("synchronizing the segment's stream: {e}")))?;
-        // SAFETY: the caller promises `ptr` came from `ncclMemAlloc` above and is given back once,
-        // unused (the pool delivers its `SegmentFree` first, so registrations are undone).
-        match unsafe { sys::ncclMemFree(ptr as *mut c_void) } {
-            sys::ncclResult_t::ncclSuccess => Ok(()),
-            r => Err(BackendError::Failed(format!("ncclMemFree returned {r:?}"))),
-        }
+        // The ledger checks again, and takes the segment off its live set in the same step, so no
+        // registration or window can take hold of it between the check and the free.
+        let r = ledger::free_segment(ptr, size, || {
+            // SAFETY: the caller promises `ptr` came from `ncclMemAlloc` above, is given back once
+            // and is unused; no communicator holds any of it (the ledger just checked, and
+            // registrations hold a segment in the ledger for as long as NCCL has it registered).
+            match unsafe { sys::ncclMemFree(ptr as *mut c_void) } {
+                sys::ncclResult_t::ncclSuccess => Ok(()),
+                r => Err(format!("ncclMemFree returned {r:?}")),
+            }
+        });
+        r.map_err(|e| match e {
+            ledger::FreeError::Held => held(ptr, size),
+            ledger::FreeError::Free(m) => BackendError::Failed(m),
+        })
     }
 
     fn granularity(&self) -> usize {
         self.granularity
     }
+}
+
+fn held(ptr: u64, size: usize) -> BackendError {
+    BackendError::Failed(format!(
+        "segment {ptr:#x} ({size} bytes) is still registered with an NCCL communicator (a deregistration \
+         failed or is still pending); it stays cached until it is deregistered or the communicator is \
+         destroyed or aborted"
+    ))
 }
 
 /// A pool of CUDA device `device` whose segments come from `ncclMemAlloc`.

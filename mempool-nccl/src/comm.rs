@@ -1,93 +1,21 @@
-//! `Communicator`: a safe wrapper over NCCL's communicator (cudarc's `nccl::result`/`sys`; its own
-//! `Comm` hides the raw handle that registration needs).
+//! `Communicator`: a safe NCCL communicator (over cudarc's `nccl::result`/`sys`) and its
+//! collectives. The handle itself and how it ends live in `handle`; registrations in
+//! `register` (a communicator owns links to its registrations, never the other way round);
+//! windows in `window`.
 
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 use cudarc::nccl::{result, sys};
 use mempool::{Allocator, MemPool};
 
 use crate::alloc::check_nccl;
+pub use crate::env::LaunchEnv;
 use crate::error::{nccl, Error, Result};
-use crate::register::{NcclRegistrar, RegState, Registrar, Registration};
-
-/// An element type NCCL reduces: plain bits, so buffers of it can be allocated uninitialised.
-pub trait NcclType: DeviceRepr + mempool::AnyBitPattern {
-    /// NCCL's name for it.
-    const TYPE: sys::ncclDataType_t;
-}
-
-macro_rules! nccl_type {
-    ($($t:ty => $n:ident),* $(,)?) => {$(
-        impl NcclType for $t {
-            const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::$n;
-        }
-    )*};
-}
-
-nccl_type!(i8 => ncclInt8, u8 => ncclUint8, i32 => ncclInt32, u32 => ncclUint32, i64 => ncclInt64,
-    u64 => ncclUint64, f32 => ncclFloat32, f64 => ncclFloat64);
-
-/// bfloat16 as its bits (the upper half of an `f32`), so no half-precision crate is needed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-#[repr(transparent)]
-pub struct Bf16(pub u16);
-
-impl Bf16 {
-    /// Rounds an `f32` to the nearest bfloat16 (ties to even).
-    pub fn from_f32(x: f32) -> Bf16 {
-        let b = x.to_bits();
-        let round = 0x7fff + ((b >> 16) & 1);
-        Bf16((b.wrapping_add(round) >> 16) as u16)
-    }
-
-    /// The `f32` with the same value.
-    pub fn to_f32(self) -> f32 {
-        f32::from_bits(u32::from(self.0) << 16)
-    }
-}
-
-// SAFETY: `Bf16` is `repr(transparent)` over `u16`: plain bits, valid for any value, with the
-// layout NCCL's ncclBfloat16 expects.
-unsafe impl DeviceRepr for Bf16 {}
-
-// SAFETY: `repr(transparent)` over `u16`: every bit pattern is a bfloat16 (NaNs included).
-unsafe impl mempool::AnyBitPattern for Bf16 {}
-
-// SAFETY: all zero bits is +0.0.
-unsafe impl cudarc::driver::ValidAsZeroBits for Bf16 {}
-
-impl NcclType for Bf16 {
-    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclBfloat16;
-}
-
-/// A reduction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReduceOp {
-    /// Sum.
-    Sum,
-    /// Product.
-    Prod,
-    /// Maximum.
-    Max,
-    /// Minimum.
-    Min,
-    /// Average.
-    Avg,
-}
-
-impl ReduceOp {
-    fn raw(self) -> sys::ncclRedOp_t {
-        match self {
-            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
-            ReduceOp::Prod => sys::ncclRedOp_t::ncclProd,
-            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
-            ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
-            ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
-        }
-    }
-}
+use crate::handle::{Close, CommHandle, NcclComm};
+use crate::register::Registration;
+pub use crate::types::{Bf16, NcclType, ReduceOp};
 
 /// A communicator's unique id: made by one rank and handed to the others by any means.
 #[derive(Clone, Copy)]
@@ -117,66 +45,30 @@ impl std::fmt::Debug for Id {
     }
 }
 
-/// The raw handle, movable between threads (NCCL allows a communicator to be used from any
-/// thread, one call at a time; the mutex around it sees to that).
-pub(crate) struct RawComm(pub(crate) sys::ncclComm_t);
-
-// SAFETY: an ncclComm_t is a heap object NCCL allows to be used from any thread; every use goes
-// through the `Mutex` in `CommInner`, so calls never overlap.
-unsafe impl Send for RawComm {}
-
-pub(crate) struct CommInner {
-    pub(crate) raw: Mutex<Option<RawComm>>,
-    pub(crate) rank: usize,
-    pub(crate) world: usize,
-    pub(crate) ctx: Arc<CudaContext>,
-    registrations: Mutex<Vec<Weak<Mutex<RegState>>>>,
-}
-
-impl CommInner {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Option<RawComm>> {
-        self.raw.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Deregisters every registration, then destroys (or aborts) the communicator.
-    fn close(&self, abort: bool) -> Result<()> {
-        let regs = std::mem::take(&mut *self.registrations.lock().unwrap_or_else(|p| p.into_inner()));
-        for r in regs.iter().filter_map(Weak::upgrade) {
-            RegState::close(&r);
-        }
-        let Some(raw) = self.lock().take() else { return Ok(()) };
-        self.ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
-        // SAFETY: `raw` is a live communicator taken out of the mutex, so no other call can use it
-        // again; it is destroyed (or aborted) once.
-        let r = unsafe {
-            if abort {
-                result::comm_abort(raw.0)
-            } else {
-                result::comm_finalize(raw.0).and_then(|_| result::comm_destroy(raw.0))
-            }
-        };
-        r.map(|_| ()).map_err(|e| nccl(if abort { "ncclCommAbort" } else { "ncclCommDestroy" }, e))
-    }
-}
-
-impl Drop for CommInner {
-    fn drop(&mut self) {
-        // `Drop` never panics: an error destroying the communicator is dropped with it.
-        let _ = self.close(false);
-    }
+struct CommInner {
+    handle: Arc<CommHandle>,
+    rank: usize,
+    world: usize,
+    ctx: Arc<CudaContext>,
 }
 
 /// An NCCL communicator: one rank of a group of devices. Collectives take cudarc buffers or
 /// mempool `Buffer`s (anything `DevicePtr`/`DevicePtrMut`) and a stream of this device.
+///
+/// Clones share the communicator. How it ends:
+/// - [`destroy`](Communicator::destroy), the orderly end, collective: every rank calls it, and
+///   it waits for every rank's outstanding operations (`ncclCommFinalize`, `ncclCommDestroy`).
+/// - [`abort`](Communicator::abort), local: stops this rank's outstanding operations and frees
+///   the communicator without waiting for anyone (`ncclCommAbort`); for errors, and ranks that
+///   are gone.
+/// - Dropping the last clone (and the last registration and window, which share it) aborts:
+///   a `Drop` never waits for a peer, so it cannot hang when one is gone, nor when it happens
+///   inside a trace hook. Call `destroy` for the orderly end.
+///
+/// Either way every registration is closed first (its segments deregistered).
 #[derive(Clone)]
 pub struct Communicator {
-    pub(crate) inner: Arc<CommInner>,
-}
-
-impl std::fmt::Debug for CommInner {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CommInner").field("rank", &self.rank).field("world_size", &self.world).finish()
-    }
+    inner: Arc<CommInner>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -194,16 +86,13 @@ fn context(device: usize) -> Result<Arc<CudaContext>> {
 }
 
 impl Communicator {
-    fn wrap(raw: sys::ncclComm_t, rank: usize, world: usize, ctx: Arc<CudaContext>) -> Communicator {
-        Communicator {
-            inner: Arc::new(CommInner {
-                raw: Mutex::new(Some(RawComm(raw))),
-                rank,
-                world,
-                ctx,
-                registrations: Mutex::new(Vec::new()),
-            }),
-        }
+    /// # Safety
+    /// `raw` is a live communicator of `ctx`'s device, of rank `rank` in `world`, owned by
+    /// nothing else.
+    unsafe fn wrap(raw: sys::ncclComm_t, rank: usize, world: usize, ctx: Arc<CudaContext>) -> Communicator {
+        // SAFETY: passed on from the caller.
+        let ops = unsafe { NcclComm::new(raw, ctx.clone()) };
+        Communicator { inner: Arc::new(CommInner { handle: CommHandle::new(Box::new(ops)), rank, world, ctx }) }
     }
 
     /// One communicator per device, all in this process (`ncclCommInitAll`); hand one to each
@@ -224,7 +113,9 @@ impl Communicator {
             .into_iter()
             .zip(ctxs)
             .enumerate()
-            .map(|(r, (raw, ctx))| Communicator::wrap(raw, r, world, ctx))
+            // SAFETY: `ncclCommInitAll` made `raw` for `devices[r]` as rank `r` of `world`; each
+            // is wrapped once.
+            .map(|(r, (raw, ctx))| unsafe { Communicator::wrap(raw, r, world, ctx) })
             .collect())
     }
 
@@ -241,20 +132,19 @@ impl Communicator {
         // SAFETY: `raw` is a valid out pointer; the device's context is current on this thread.
         unsafe { result::comm_init_rank(&mut raw, world_size as i32, id.0, rank as i32) }
             .map_err(|e| nccl("ncclCommInitRank", e))?;
-        Ok(Communicator::wrap(raw, rank, world_size, ctx))
+        // SAFETY: `ncclCommInitRank` made `raw` on `device` (current above) as rank `rank` of
+        // `world_size`; it is wrapped once.
+        Ok(unsafe { Communicator::wrap(raw, rank, world_size, ctx) })
     }
 
-    /// This process's rank from the launcher's environment (`RANK`/`WORLD_SIZE`/`LOCAL_RANK`
-    /// as torchrun sets them, `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, or
+    /// This process's rank from the launcher's environment ([`LaunchEnv`]: `RANK`/`WORLD_SIZE`/
+    /// `LOCAL_RANK` as torchrun sets them, `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, or
     /// `OMPI_COMM_WORLD_RANK`/`_SIZE`/`_LOCAL_RANK`), bootstrapped through NCCL's own mechanism:
     /// `NCCL_COMM_ID=host:port`, or `MASTER_ADDR`/`MASTER_PORT` turned into it (one port above
     /// `MASTER_PORT` under torchrun, whose store holds that port). The device is the local rank.
     pub fn from_env() -> Result<Communicator> {
-        let env = LaunchEnv::read(|k| std::env::var(k).ok())?;
-        if let Some(comm_id) = &env.comm_id_to_set {
-            // Before any NCCL call of this process, so no NCCL thread reads the environment now.
-            std::env::set_var("NCCL_COMM_ID", comm_id);
-        }
+        let env = LaunchEnv::from_process()?;
+        env.export_comm_id();
         let id = Id::new()?;
         Communicator::new(&id, env.rank, env.world_size, env.local_rank)
     }
@@ -279,35 +169,34 @@ impl Communicator {
         &self.inner.ctx
     }
 
+    pub(crate) fn handle(&self) -> &Arc<CommHandle> {
+        &self.inner.handle
+    }
+
     /// Registers every segment of `pool` with this communicator, those it allocates later as
     /// they are allocated, and deregisters each before it is freed; everything is deregistered
-    /// when the registration is dropped or the communicator destroyed.
+    /// when the registration is dropped or the communicator ends. Only segments from
+    /// `ncclMemAlloc` are registered (an [`nccl_pool`](crate::nccl_pool)'s): their allocator
+    /// refuses to free a segment NCCL may still have registered, which no other allocator does.
     pub fn register_pool(&self, pool: &MemPool) -> Result<Registration> {
         self.check_device("register_pool", pool.device())?;
-        let r = Registration::attach(pool.allocator(), Some(pool.id()), self.registrar())?;
-        self.keep(&r);
-        Ok(r)
+        self.attach(pool.allocator(), Some(pool.id()))
     }
 
-    /// The same for every segment of this device, of every pool (the default pools included).
+    /// The same for the `ncclMemAlloc` segments of every pool of this device, present and
+    /// future. Segments of the default pools (cuMemAlloc memory) and of other allocators are
+    /// left alone: their frees would not wait for a failed deregistration.
     pub fn register_device_segments(&self) -> Result<Registration> {
-        let alloc = Allocator::cuda(self.device())?;
-        let r = Registration::attach(&alloc, None, self.registrar())?;
-        self.keep(&r);
+        self.attach(&Allocator::cuda(self.device())?, None)
+    }
+
+    fn attach(&self, alloc: &Allocator, pool: Option<mempool::PoolId>) -> Result<Registration> {
+        let r = Registration::attach(alloc, pool, self.inner.handle.registrar())?;
+        self.inner.handle.keep(r.link());
         Ok(r)
     }
 
-    fn registrar(&self) -> Arc<dyn Registrar> {
-        Arc::new(NcclRegistrar { comm: self.inner.clone() })
-    }
-
-    fn keep(&self, r: &Registration) {
-        let mut regs = self.inner.registrations.lock().unwrap_or_else(|p| p.into_inner());
-        regs.retain(|w| w.strong_count() > 0);
-        regs.push(Arc::downgrade(&r.state));
-    }
-
-    fn check_device(&self, what: &'static str, found: usize) -> Result<()> {
+    pub(crate) fn check_device(&self, what: &'static str, found: usize) -> Result<()> {
         if found != self.device() {
             return Err(Error::WrongDevice { what, expected: self.device(), found });
         }
@@ -337,10 +226,10 @@ impl Communicator {
         f: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> Result<(), result::NcclError>,
     ) -> Result<()> {
         self.check_device(op, stream.context().ordinal())?;
-        let guard = self.inner.lock();
-        let raw = guard.as_ref().ok_or(Error::Closed)?;
-        self.inner.ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
-        f(raw.0, stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl(op, e))
+        let guard = self.inner.handle.lock();
+        let ops = guard.as_ref().ok_or(Error::Closed)?;
+        ops.bind()?;
+        f(ops.raw(), stream.cu_stream() as sys::cudaStream_t).map_err(|e| nccl(op, e))
     }
 
     /// `recv = op(send of every rank)`, `send.len()` elements.
@@ -358,8 +247,9 @@ impl Communicator {
         let (r, _r) = recv.device_ptr_mut(stream);
         self.call("ncclAllReduce", stream, |c, st| {
             // SAFETY: both buffers are live device memory of this communicator's device holding at
-            // least `n` elements of `T` (checked above), and stay borrowed until the call returns;
-            // NCCL orders its work on `st`.
+            // least `n` elements of `T` (checked above). NCCL queues its work on `st`, the stream
+            // their pointers were taken for: the guards `_s`/`_r` record that use when they drop
+            // after this call, so neither memory is freed or reused before the work is done.
             unsafe { result::all_reduce(s as *const c_void, r as *mut c_void, n, T::TYPE, op.raw(), c, st) }.map(drop)
         })
     }
@@ -395,7 +285,8 @@ impl Communicator {
         let (s, _s) = send.device_ptr(stream);
         let (r, _r) = recv.device_ptr_mut(stream);
         self.call("ncclReduceScatter", stream, |c, st| {
-            // SAFETY: `send` holds world*n and `recv` n elements of this device (checked above).
+            // SAFETY: `send` holds world*n and `recv` n elements of this device (checked above);
+            // their use on `st` is recorded as in `all_reduce`.
             unsafe { result::reduce_scatter(s as *const c_void, r as *mut c_void, n, T::TYPE, op.raw(), c, st) }
                 .map(drop)
         })
@@ -414,7 +305,8 @@ impl Communicator {
         let (s, _s) = send.device_ptr(stream);
         let (r, _r) = recv.device_ptr_mut(stream);
         self.call("ncclAllGather", stream, |c, st| {
-            // SAFETY: `send` holds n and `recv` world*n elements of this device (checked above).
+            // SAFETY: `send` holds n and `recv` world*n elements of this device (checked above);
+            // their use on `st` is recorded as in `all_reduce`.
             unsafe { result::all_gather(s as *const c_void, r as *mut c_void, n, T::TYPE, c, st) }.map(drop)
         })
     }
@@ -431,7 +323,8 @@ impl Communicator {
         self.check_buf("broadcast", buf, n)?;
         let (p, _p) = buf.device_ptr_mut(stream);
         self.call("ncclBroadcast", stream, |c, st| {
-            // SAFETY: `buf` holds n elements of this device; root is a valid rank.
+            // SAFETY: `buf` holds n elements of this device; root is a valid rank; the use on `st`
+            // is recorded as in `all_reduce`.
             unsafe { result::broadcast(p as *const c_void, p as *mut c_void, n, T::TYPE, root as i32, c, st) }.map(drop)
         })
     }
@@ -443,7 +336,8 @@ impl Communicator {
         self.check_buf("send", buf, n)?;
         let (p, _p) = buf.device_ptr(stream);
         self.call("ncclSend", stream, |c, st| {
-            // SAFETY: `buf` holds n elements of this device; peer is a valid rank.
+            // SAFETY: `buf` holds n elements of this device; peer is a valid rank; the use on `st`
+            // is recorded as in `all_reduce`.
             unsafe { result::send(p as *const c_void, n, T::TYPE, peer as i32, c, st) }.map(drop)
         })
     }
@@ -455,14 +349,24 @@ impl Communicator {
         self.check_buf("recv", buf, n)?;
         let (p, _p) = buf.device_ptr_mut(stream);
         self.call("ncclRecv", stream, |c, st| {
-            // SAFETY: `buf` holds n elements of this device; peer is a valid rank.
+            // SAFETY: `buf` holds n elements of this device; peer is a valid rank; the use on `st`
+            // is recorded as in `all_reduce`.
             unsafe { result::recv(p as *mut c_void, n, T::TYPE, peer as i32, c, st) }.map(drop)
         })
     }
 
     /// Runs `f` between `ncclGroupStart` and `ncclGroupEnd` (several collectives or sends and
     /// receives issued as one).
-    pub fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
+    ///
+    /// # Safety
+    ///
+    /// Inside a group NCCL queues the operations when the group ends, not when they are called,
+    /// so the stream ordering each call records for its buffers (which lets a dropped buffer's
+    /// memory be reused only after the work on it) is recorded before the work exists. Every
+    /// buffer used inside `f` must stay alive, and unused on other streams, until the work the
+    /// group queued is done: synchronize the streams used in the group after `group` returns
+    /// (or failed) before dropping those buffers or touching them elsewhere.
+    pub unsafe fn group<R>(f: impl FnOnce() -> Result<R>) -> Result<R> {
         check_nccl()?;
         result::group_start().map_err(|e| nccl("ncclGroupStart", e))?;
         let r = f();
@@ -472,177 +376,19 @@ impl Communicator {
         Ok(r)
     }
 
-    /// Registers `size` bytes at `addr` as an NCCL window for symmetric collectives
-    /// (`ncclCommWindowRegister` with `NCCL_WIN_COLL_SYMMETRIC`, NCCL 2.27 or newer). Collective:
-    /// every rank calls it with the same size. The rules are checked first, the same way on every
-    /// rank so that none is left waiting: NCCL's version, `addr` and `size` multiples of the
-    /// device's allocation granularity (memory from an `ncclMemAlloc` pool with `no_split`, say),
-    /// and equal sizes on every rank (gathered through the communicator on `stream`).
-    pub fn register_window(&self, addr: u64, size: usize, stream: &Arc<CudaStream>) -> Result<Window> {
-        let (major, minor, patch) = crate::alloc::nccl_version()?;
-        if (major, minor) < (2, 27) {
-            return Err(Error::Window(format!("needs NCCL 2.27 or newer; this is {major}.{minor}.{patch}")));
-        }
-        let gran = crate::alloc::recommended_granularity(&self.inner.ctx)?;
-        let local_ok = size > 0 && addr % gran as u64 == 0 && size % gran == 0;
-        // Every rank learns every rank's size and verdict before anyone calls NCCL's collective.
-        let alloc = Allocator::cuda(self.device())?;
-        let mine = [size as u64, u64::from(local_ok)];
-        let mut send = alloc.alloc::<u64>(2)?;
-        stream.memcpy_htod(&mine, &mut send).map_err(|e| Error::Cuda(e.to_string()))?;
-        let mut all = alloc.alloc::<u64>(2 * self.world_size())?;
-        self.all_gather(&send, &mut all, stream)?;
-        let all = stream.clone_dtoh(&all).map_err(|e| Error::Cuda(e.to_string()))?;
-        if !local_ok {
-            return Err(Error::Window(format!(
-                "address {addr:#x} and size {size} must be non-zero multiples of the allocation granularity ({gran} bytes)"
-            )));
-        }
-        if let Some(r) = (0..self.world_size()).find(|&r| all[2 * r + 1] == 0) {
-            return Err(Error::Window(format!("rank {r}'s range is not aligned to the allocation granularity")));
-        }
-        let sizes: Vec<u64> = (0..self.world_size()).map(|r| all[2 * r]).collect();
-        if sizes.iter().any(|s| *s != size as u64) {
-            return Err(Error::Window(format!("every rank must register the same size; the sizes are {sizes:?}")));
-        }
-        let guard = self.inner.lock();
-        let raw = guard.as_ref().ok_or(Error::Closed)?;
-        self.inner.ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
-        let mut win: sys::ncclWindow_t = std::ptr::null_mut();
-        const NCCL_WIN_COLL_SYMMETRIC: i32 = 1;
-        // SAFETY: `raw` is a live communicator; `addr..addr+size` is device memory of this device
-        // (checked aligned, same size on every rank); `win` is a valid out pointer.
-        unsafe { sys::ncclCommWindowRegister(raw.0, addr as *mut c_void, size, &mut win, NCCL_WIN_COLL_SYMMETRIC) }
-            .result()
-            .map_err(|e| nccl("ncclCommWindowRegister", e))?;
-        Ok(Window { comm: self.inner.clone(), win: win as usize, addr, size, open: true })
-    }
-
-    /// Deregisters everything and destroys the communicator (every rank must call it).
+    /// The orderly end, collective (every rank calls it; NCCL also wants every rank of a node
+    /// to): closes every registration (deregistering its segments), then `ncclCommFinalize`,
+    /// which waits until every rank's outstanding operations are done, and `ncclCommDestroy`.
+    /// If finalizing fails the communicator is aborted and the error returned. Other clones,
+    /// registrations and windows find it closed ([`Error::Closed`]).
     pub fn destroy(self) -> Result<()> {
-        self.inner.close(false)
+        self.inner.handle.close(Close::Orderly)
     }
 
-    /// Deregisters everything and aborts the communicator (after an error, or when other ranks
-    /// are gone); pending work is abandoned.
+    /// Closes every registration and aborts the communicator (`ncclCommAbort`): local, it
+    /// waits for no other rank; this rank's outstanding operations are stopped. For errors, and
+    /// when other ranks are gone. Dropping the last handle does the same.
     pub fn abort(self) -> Result<()> {
-        self.inner.close(true)
-    }
-}
-
-/// Rank, world size, local rank and bootstrap address from a launcher's environment.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LaunchEnv {
-    /// This process's rank.
-    pub rank: usize,
-    /// Number of ranks.
-    pub world_size: usize,
-    /// This process's rank on its node (its device).
-    pub local_rank: usize,
-    /// `NCCL_COMM_ID` to set before the first NCCL call (None: it is set already).
-    pub comm_id_to_set: Option<String>,
-}
-
-const RANK_VARS: [&str; 4] = ["RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"];
-const SIZE_VARS: [&str; 4] = ["WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"];
-const LOCAL_VARS: [&str; 3] = ["LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"];
-
-impl LaunchEnv {
-    /// Reads the variables through `get` (the process environment in [`Communicator::from_env`]).
-    pub fn read(get: impl Fn(&str) -> Option<String>) -> Result<LaunchEnv> {
-        let num = |vars: &[&'static str], what: &str| -> Result<Option<usize>> {
-            let mut found: Option<(usize, &'static str)> = None;
-            for &v in vars {
-                if let Some(s) = get(v) {
-                    let n: usize =
-                        s.trim().parse().map_err(|_| Error::Environment(format!("{v}={s:?} is not a {what}")))?;
-                    if let Some((m, w)) = found {
-                        if m != n {
-                            return Err(Error::Environment(format!("{w}={m} and {v}={n} disagree on the {what}")));
-                        }
-                    } else {
-                        found = Some((n, v));
-                    }
-                }
-            }
-            Ok(found.map(|(n, _)| n))
-        };
-        let rank = num(&RANK_VARS, "rank")?
-            .ok_or_else(|| Error::Environment(format!("no rank: set one of {}", RANK_VARS.join(", "))))?;
-        let world_size = num(&SIZE_VARS, "world size")?
-            .ok_or_else(|| Error::Environment(format!("no world size: set one of {}", SIZE_VARS.join(", "))))?;
-        if rank >= world_size {
-            return Err(Error::InvalidRank { rank, world_size });
-        }
-        let local_rank = num(&LOCAL_VARS, "local rank")?.unwrap_or(rank);
-        let comm_id_to_set = match get("NCCL_COMM_ID") {
-            Some(_) => None,
-            None => {
-                let addr = get("MASTER_ADDR");
-                let port = get("MASTER_PORT");
-                match (addr, port) {
-                    (Some(a), Some(p)) => {
-                        let port: u16 = p
-                            .trim()
-                            .parse()
-                            .map_err(|_| Error::Environment(format!("MASTER_PORT={p:?} is not a port")))?;
-                        // torchrun's own store listens on MASTER_PORT; NCCL's root takes the next one.
-                        let port = if get("TORCHELASTIC_RUN_ID").is_some() { port.wrapping_add(1) } else { port };
-                        Some(format!("{a}:{port}"))
-                    }
-                    _ => {
-                        return Err(Error::Environment(
-                            "no bootstrap address: set NCCL_COMM_ID=<host>:<port>, or MASTER_ADDR and MASTER_PORT"
-                                .into(),
-                        ))
-                    }
-                }
-            }
-        };
-        Ok(LaunchEnv { rank, world_size, local_rank, comm_id_to_set })
-    }
-}
-
-/// A window registered with [`Communicator::register_window`]. Deregistering is collective too:
-/// call [`deregister`](Window::deregister) on every rank (dropping it does the same).
-#[derive(Debug)]
-pub struct Window {
-    comm: Arc<CommInner>,
-    win: usize,
-    addr: u64,
-    size: usize,
-    open: bool,
-}
-
-impl Window {
-    /// The registered range.
-    pub fn range(&self) -> (u64, usize) {
-        (self.addr, self.size)
-    }
-
-    /// Deregisters the window (collective).
-    pub fn deregister(mut self) -> Result<()> {
-        self.close()
-    }
-
-    fn close(&mut self) -> Result<()> {
-        if !std::mem::replace(&mut self.open, false) {
-            return Ok(());
-        }
-        let guard = self.comm.lock();
-        let Some(raw) = guard.as_ref() else { return Ok(()) };
-        self.comm.ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
-        // SAFETY: `win` came from `ncclCommWindowRegister` on this live communicator and is
-        // deregistered once.
-        unsafe { sys::ncclCommWindowDeregister(raw.0, self.win as sys::ncclWindow_t) }
-            .result()
-            .map(drop)
-            .map_err(|e| nccl("ncclCommWindowDeregister", e))
-    }
-}
-
-impl Drop for Window {
-    fn drop(&mut self) {
-        let _ = self.close();
+        self.inner.handle.close(Close::Abort)
     }
 }

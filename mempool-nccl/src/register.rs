@@ -1,114 +1,137 @@
-//! Keeping a pool's segments registered with a communicator as the pool grows and shrinks.
+//! Keeping a pool's segments registered as the pool grows and shrinks.
 //!
 //! A [`Registration`] registers every segment that exists when it is made, then follows the
 //! allocator's trace hooks: a `SegmentAlloc` is registered before any block of the segment is
-//! handed out, and a `SegmentFree` deregistered before the memory goes back to `ncclMemFree`.
-//! The bookkeeping goes through the [`Registrar`] trait, so it is tested on the CPU with a
-//! recording implementation.
+//! handed out, and a `SegmentFree` deregistered before the memory goes back to its allocator.
+//! The registering itself goes through the [`Registrar`] trait: a communicator supplies one
+//! (`ncclCommRegister`), and the tests a recording one on the simulated device. This module knows
+//! nothing of communicators; a communicator keeps a `RegLink` to each of its registrations to
+//! close them before it goes.
+//!
+//! A deregistration that fails keeps its handle: the segment is still registered. Its allocator
+//! must then refuse to free it (the `ncclMemAlloc` allocator does, through the crate's ledger),
+//! which makes the caching allocator keep the segment cached and announce it again; the
+//! registration keeps the handle it has and tries to deregister again at the segment's next
+//! free (a later `empty_cache`).
 
 use std::collections::{HashMap, HashSet};
-use std::ffi::c_void;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
-use cudarc::nccl::sys;
 use mempool::trace::{self, Action, TraceHandle};
 use mempool::{Allocator, AllocatorId, Kind, PoolId};
 
-use crate::comm::CommInner;
 use crate::error::{Error, Result};
 
-/// Registers and deregisters segments (NCCL's `ncclCommRegister`/`ncclCommDeregister`, or a
-/// recording stand-in in tests).
+/// Registers and deregisters segments (NCCL's `ncclCommRegister`/`ncclCommDeregister` through a
+/// communicator, or a recording stand-in in tests).
+///
+/// A registrar's memory must not be freed while it is registered: when
+/// [`deregister`](Registrar::deregister) fails, the [`Registration`] keeps the handle and tries
+/// again at the segment's next free, so the segment's allocator has to refuse to free it
+/// meanwhile (returning an error from `RawAllocator::free` keeps it cached).
 pub trait Registrar: Send + Sync + 'static {
     /// Registers `size` bytes at `addr`; returns a handle for [`deregister`](Registrar::deregister).
     fn register(&self, addr: u64, size: usize) -> Result<u64, String>;
-    /// Undoes a registration.
+    /// Undoes a registration. On an error the registration stays in place and the handle is
+    /// kept, to be deregistered again later.
     fn deregister(&self, handle: u64) -> Result<(), String>;
-}
-
-pub(crate) struct NcclRegistrar {
-    pub(crate) comm: Arc<CommInner>,
-}
-
-impl Registrar for NcclRegistrar {
-    fn register(&self, addr: u64, size: usize) -> Result<u64, String> {
-        let guard = self.comm.lock();
-        let raw = guard.as_ref().ok_or("the communicator was destroyed")?;
-        self.comm.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-        let mut handle: *mut c_void = std::ptr::null_mut();
-        // SAFETY: `raw` is a live communicator (held under its mutex); `addr..addr+size` is a
-        // live segment of this device that stays allocated until it is deregistered (the
-        // SegmentFree hook runs before its free); `handle` is a valid out pointer.
-        let r = unsafe { sys::ncclCommRegister(raw.0, addr as *mut c_void, size, &mut handle) };
-        r.result().map(|_| handle as u64).map_err(|e| format!("{:?}", e.0))
-    }
-
-    fn deregister(&self, handle: u64) -> Result<(), String> {
-        let guard = self.comm.lock();
-        let Some(raw) = guard.as_ref() else { return Ok(()) };
-        self.comm.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-        // SAFETY: `handle` came from `ncclCommRegister` on this communicator and is deregistered once.
-        let r = unsafe { sys::ncclCommDeregister(raw.0, handle as *mut c_void) };
-        r.result().map(drop).map_err(|e| format!("{:?}", e.0))
+    /// Whether the segment at `addr` is for this registrar at all; those it declines are left
+    /// alone without an error. A communicator registers only `ncclMemAlloc` segments, the ones
+    /// whose free waits for their deregistration. Every segment by default.
+    fn covers(&self, addr: u64, size: usize) -> bool {
+        let _ = (addr, size);
+        true
     }
 }
 
-/// Shared between a [`Registration`], its hook and its communicator.
-pub(crate) struct RegState {
+/// One registered segment.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    size: usize,
+    handle: u64,
+}
+
+/// Shared between a [`Registration`], its hook and (through a [`RegLink`]) its communicator.
+struct RegState {
     registrar: Arc<dyn Registrar>,
     allocator: AllocatorId,
     pool: Option<PoolId>,
-    /// Registered segments: address -> (size, handle).
-    handles: HashMap<u64, (usize, u64)>,
+    /// Registered segments by address, including those whose deregistration failed.
+    entries: HashMap<u64, Entry>,
     /// Segments the hook saw freed while the initial segments were being registered.
     freed_meanwhile: Option<HashSet<u64>>,
     errors: Vec<Error>,
     closed: bool,
 }
 
-impl RegState {
-    fn lock(s: &Mutex<RegState>) -> MutexGuard<'_, RegState> {
-        s.lock().unwrap_or_else(|p| p.into_inner())
-    }
+fn lock(s: &Mutex<RegState>) -> MutexGuard<'_, RegState> {
+    // Nothing here panics while holding it (registrar panics are caught by the hook delivery,
+    // which leaves the state as consistent as before the call).
+    s.lock().unwrap_or_else(|p| p.into_inner())
+}
 
+impl RegState {
     fn register(&mut self, addr: u64, size: usize) {
-        if self.closed || self.handles.contains_key(&addr) {
+        if self.closed {
+            return;
+        }
+        if let Some(e) = self.entries.get(&addr).copied() {
+            if e.size == size {
+                // Still registered: its deregistration failed, so its free was refused and the
+                // allocator announces it again. The handle it has stays.
+                return;
+            }
+            // Another segment at the same address: the old one was freed after all (its
+            // allocator did not wait for the deregistration). Try once more, then forget it.
+            self.deregister(addr);
+            if self.entries.remove(&addr).is_some() {
+                self.errors.push(Error::Registration {
+                    segment: addr,
+                    size: e.size,
+                    message: "freed while its deregistration had failed; its handle is dropped".into(),
+                });
+            }
+        }
+        if !self.registrar.covers(addr, size) {
             return;
         }
         match self.registrar.register(addr, size) {
-            Ok(h) => {
-                self.handles.insert(addr, (size, h));
+            Ok(handle) => {
+                self.entries.insert(addr, Entry { size, handle });
             }
             Err(message) => self.errors.push(Error::Registration { segment: addr, size, message }),
         }
     }
 
+    /// Deregisters the segment at `addr` if it is registered; on failure the entry stays.
     fn deregister(&mut self, addr: u64) {
-        if let Some((size, h)) = self.handles.remove(&addr) {
-            if let Err(message) = self.registrar.deregister(h) {
-                self.errors.push(Error::Registration {
-                    segment: addr,
-                    size,
-                    message: format!("deregister: {message}"),
-                });
+        let Some(e) = self.entries.get(&addr).copied() else { return };
+        match self.registrar.deregister(e.handle) {
+            Ok(()) => {
+                self.entries.remove(&addr);
             }
+            Err(message) => self.errors.push(Error::Registration {
+                segment: addr,
+                size: e.size,
+                message: format!("deregister: {message} (still registered; tried again at its next free)"),
+            }),
         }
     }
 
-    /// Deregisters everything; later events are ignored.
-    pub(crate) fn close(s: &Mutex<RegState>) {
-        let mut st = RegState::lock(s);
-        let addrs: Vec<u64> = st.handles.keys().copied().collect();
+    /// Deregisters everything; later events are ignored. Entries whose deregistration fails
+    /// stay (their memory is still registered).
+    fn close(&mut self) {
+        let addrs: Vec<u64> = self.entries.keys().copied().collect();
         for a in addrs {
-            st.deregister(a);
+            self.deregister(a);
         }
-        st.closed = true;
+        self.closed = true;
     }
 
     fn on_event(&mut self, e: &trace::TraceEntry) {
         // The allocator, not the device index: a host or simulated allocator also calls itself
-        // device 0, and its memory must never reach NCCL.
-        if e.allocator != self.allocator || self.pool.is_some_and(|p| p != e.pool) {
+        // device 0, and its memory must never reach this registrar.
+        if self.closed || e.allocator != self.allocator || self.pool.is_some_and(|p| p != e.pool) {
             return;
         }
         match e.action {
@@ -124,22 +147,56 @@ impl RegState {
     }
 }
 
+/// A communicator's link to one of its registrations: closes it before the communicator goes,
+/// and forgets its handles once the communicator is gone (NCCL dropped them with it). It does
+/// not keep the registration alive.
+#[derive(Clone)]
+pub(crate) struct RegLink(Weak<Mutex<RegState>>);
+
+impl RegLink {
+    /// Whether the registration still exists.
+    pub(crate) fn alive(&self) -> bool {
+        self.0.strong_count() > 0
+    }
+
+    /// Deregisters everything; later events are ignored.
+    pub(crate) fn close(&self) {
+        if let Some(s) = self.0.upgrade() {
+            lock(&s).close();
+        }
+    }
+
+    /// Drops the handles left (deregistrations that failed): the registrar's registrations are
+    /// void now.
+    pub(crate) fn forget(&self) {
+        if let Some(s) = self.0.upgrade() {
+            let mut st = lock(&s);
+            st.entries.clear();
+            st.closed = true;
+        }
+    }
+}
+
 /// Keeps a pool's (or a device's) segments registered; deregisters everything when dropped.
+///
+/// Dropping it is allowed anywhere, inside a trace hook included: its hook is detached, every
+/// segment is deregistered, and events still being delivered are ignored.
 pub struct Registration {
-    pub(crate) state: Arc<Mutex<RegState>>,
+    state: Arc<Mutex<RegState>>,
     hook: Option<TraceHandle>,
 }
 
 impl std::fmt::Debug for Registration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let st = RegState::lock(&self.state);
-        f.debug_struct("Registration").field("segments", &st.handles.len()).field("pool", &st.pool).finish()
+        let st = lock(&self.state);
+        f.debug_struct("Registration").field("segments", &st.entries.len()).field("pool", &st.pool).finish()
     }
 }
 
 impl Registration {
-    /// Registers the segments of `pool` (every pool when `None`) of `alloc`'s device through
-    /// `registrar`, now and as they come and go.
+    /// Registers the segments of `pool` (every pool when `None`) of `alloc` through
+    /// `registrar`, now and as they come and go. Events of other allocators (another device,
+    /// a host or simulated allocator that also calls itself device 0) never reach it.
     pub fn attach<K: Kind>(
         alloc: &Allocator<K>,
         pool: Option<PoolId>,
@@ -149,19 +206,21 @@ impl Registration {
             registrar,
             allocator: alloc.id(),
             pool,
-            handles: HashMap::new(),
+            entries: HashMap::new(),
             freed_meanwhile: Some(HashSet::new()),
             errors: Vec::new(),
             closed: false,
         }));
         let s = state.clone();
         // The hook first, so no segment allocated from now on is missed...
-        let hook = trace::attach(move |e| RegState::lock(&s).on_event(e))?;
-        // ...then what exists already (the snapshot is taken before this state is locked: the
-        // hook locks the allocator first, then this state).
+        let hook = trace::attach(move |e| lock(&s).on_event(e))?;
+        // ...then what exists already. Hooks run outside the allocator's lock, so the snapshot
+        // may show a segment the hook is about to see freed: a segment the hook saw freed
+        // meanwhile is skipped, and one freed later is deregistered by the hook (which sees its
+        // `SegmentFree` before its memory goes back).
         let snap = alloc.snapshot();
         {
-            let mut st = RegState::lock(&state);
+            let mut st = lock(&state);
             let freed = st.freed_meanwhile.take().unwrap_or_default();
             for seg in snap.segments.iter().filter(|s| pool.is_none_or(|p| p == s.pool)) {
                 if !freed.contains(&seg.address) {
@@ -172,23 +231,31 @@ impl Registration {
         Ok(Registration { state, hook: Some(hook) })
     }
 
-    /// The segments registered now, `(address, size)` in address order.
+    /// A link for the communicator that owns the registrar.
+    pub(crate) fn link(&self) -> RegLink {
+        RegLink(Arc::downgrade(&self.state))
+    }
+
+    /// The segments registered now, `(address, size)` in address order (those whose
+    /// deregistration failed included: they are still registered).
     pub fn segments(&self) -> Vec<(u64, usize)> {
-        let st = RegState::lock(&self.state);
-        let mut v: Vec<(u64, usize)> = st.handles.iter().map(|(a, (s, _))| (*a, *s)).collect();
+        let st = lock(&self.state);
+        let mut v: Vec<(u64, usize)> = st.entries.iter().map(|(a, e)| (*a, e.size)).collect();
         v.sort_unstable();
         v
     }
 
-    /// Registrations NCCL refused (or deregistrations that failed) since the last call.
+    /// Registrations refused (or deregistrations that failed) since the last call.
     pub fn take_errors(&self) -> Vec<Error> {
-        std::mem::take(&mut RegState::lock(&self.state).errors)
+        std::mem::take(&mut lock(&self.state).errors)
     }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        // Detached first (allowed inside a hook too); a delivery already under way may still
+        // call the hook, which then finds the state closed.
         drop(self.hook.take());
-        RegState::close(&self.state);
+        lock(&self.state).close();
     }
 }

@@ -236,27 +236,115 @@ fn child_rank_from_environment() {
 fn window_registration_checks_its_rules_on_every_rank() {
     on_every_gpu(|comm| {
         let dev = comm.device();
-        let stream = Allocator::cuda(dev).unwrap().current_stream();
-        let pool = mempool_nccl::nccl_pool_with(dev, PoolOptions::new().no_split(true)).unwrap();
-        let mut buf = filled(&pool, &stream, (comm.rank() + 1) as f32, 1 << 20);
-        let seg = pool.snapshot().segments.into_iter().find(|s| s.address == buf.device_ptr_raw()).unwrap();
-        // Misaligned on every rank: refused everywhere, before NCCL.
-        let e = comm.register_window(seg.address + 512, seg.total_size - 512, &stream).unwrap_err();
-        assert!(e.to_string().contains("granularity"), "{e}");
+        let alloc = Allocator::cuda(dev).unwrap();
+        let stream = alloc.current_stream();
+        let whole = mempool_nccl::nccl_pool_with(dev, PoolOptions::new().no_split(true)).unwrap();
+        let split = nccl_pool(dev).unwrap();
+        // Not ncclMemAlloc memory (the default pool): refused on every rank, before NCCL.
+        let mut def = alloc.alloc::<f32>(1 << 20).unwrap();
+        let e = comm.register_window(&mut def, &stream).unwrap_err();
+        assert!(matches!(e, mempool_nccl::Error::Window(_)), "{e}");
+        // Not at a granularity boundary (the second block of a segment): refused everywhere.
+        let mut first = filled(&split, &stream, 0f32, 128);
+        let mut second = filled(&split, &stream, 0f32, 128);
+        let e = comm.register_window(&mut second, &stream).unwrap_err();
+        assert!(e.to_string().contains("not a multiple of the allocation granularity"), "{e}");
+        // At the start of a segment, but its block (512 bytes) does not cover the rounded range,
+        // where other buffers (`second`) live: refused.
+        let e = comm.register_window(&mut first, &stream).unwrap_err();
+        assert!(e.to_string().contains("block does not cover"), "{e}");
         // Sizes that differ between ranks: every rank learns it and refuses.
-        let half = seg.total_size / 2;
-        let size = if comm.rank() == 0 { seg.total_size } else { half };
-        if half % (2 << 20) == 0 && comm.world_size() > 1 {
-            let e = comm.register_window(seg.address, size, &stream).unwrap_err();
+        if comm.world_size() > 1 {
+            let n = if comm.rank() == 0 { 1 << 20 } else { 1 << 19 };
+            let mut b = filled(&whole, &stream, 0f32, n);
+            let e = comm.register_window(&mut b, &stream).unwrap_err();
             assert!(e.to_string().contains("the same size"), "{e}");
         }
-        // By the rules: registered, used, deregistered.
-        let w = comm.register_window(seg.address, seg.total_size, &stream).unwrap();
-        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream).unwrap();
+        // By the rules: registered, used through the window, deregistered (waiting for the
+        // all-reduce first).
+        let mut buf = filled(&whole, &stream, (comm.rank() + 1) as f32, 1 << 20);
+        let mut w = comm.register_window(&mut buf, &stream).unwrap();
+        assert_eq!(w.range(), (w.device_ptr_raw(), 4 << 20));
+        comm.all_reduce_in_place(&mut *w, ReduceOp::Sum, &stream).unwrap();
+        w.deregister().unwrap();
         let world = comm.world_size();
         let want = (world * (world + 1) / 2) as f32;
         assert!(stream.clone_dtoh(&buf).unwrap().iter().all(|x| *x == want));
-        w.deregister().unwrap();
+        // Dropping a window right after queueing work on it waits for that work, deregisters,
+        // and the segment can then go back to the device.
+        let mut w = comm.register_window(&mut buf, &stream).unwrap();
+        comm.all_reduce_in_place(&mut *w, ReduceOp::Sum, &stream).unwrap();
+        drop(w);
+        assert!(stream.clone_dtoh(&buf).unwrap().iter().all(|x| *x == want * world as f32));
+        drop(buf);
+        whole.empty_cache().unwrap();
+        assert!(whole.snapshot().segments.iter().all(|s| s.total_size != 4 << 20), "the window's segment was kept");
         comm.destroy().unwrap();
+    });
+}
+
+/// Runs `f` on a thread and fails the test if it takes longer than `secs` (the thread is left
+/// behind: the point is that it would hang).
+fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(secs)).unwrap_or_else(|_| panic!("{what} did not return in {secs} s"))
+}
+
+/// Dropping a communicator whose peer never joins an outstanding all-reduce returns at once:
+/// `Drop` aborts (`ncclCommFinalize` would wait for the peer forever).
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn dropping_a_communicator_with_a_peer_gone_does_not_hang() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: a missing peer needs two");
+        return;
+    }
+    let mut comms = Communicator::all_local(&[0, 1]).expect("communicators");
+    let silent = comms.pop().unwrap(); // rank 1: never joins
+    let comm = comms.pop().unwrap();
+    let stream = within(60, "rank 0's all-reduce", move || {
+        let alloc = Allocator::cuda(comm.device()).unwrap();
+        let stream = alloc.current_stream();
+        let pool = nccl_pool(comm.device()).unwrap();
+        let reg = comm.register_pool(&pool).unwrap();
+        let mut b = filled(&pool, &stream, 1f32, 1 << 20);
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap(); // waits for rank 1 on the device
+        drop(reg);
+        drop(comm); // aborts: returns although rank 1 never came
+        (stream, b, pool)
+    });
+    within(60, "rank 1's drop", move || drop(silent));
+    // The aborted all-reduce left the stream (NCCL's kernels watch the abort flag).
+    within(60, "the aborted stream", move || {
+        let _ = stream.0.synchronize();
+        drop(stream);
+    });
+}
+
+/// A hook owning the last clone of a communicator drops it inside the hook: the abort runs
+/// there, and the allocation that triggered the hook returns.
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn last_communicator_dropped_inside_a_hook() {
+    within(120, "an allocation whose hook drops the last communicator", || {
+        let comm = Communicator::all_local(&[0]).expect("communicator").pop().unwrap();
+        let alloc = Allocator::cuda(0).unwrap();
+        let pool = nccl_pool(0).unwrap();
+        let reg = comm.register_pool(&pool).unwrap();
+        let owned = Arc::new(Mutex::new(Some((comm, reg))));
+        let (o, me) = (owned.clone(), alloc.id());
+        let _hook = mempool::trace::attach(move |e| {
+            if e.allocator == me && e.action == mempool::trace::Action::SegmentAlloc {
+                drop(o.lock().unwrap().take());
+            }
+        })
+        .unwrap();
+        let b = pool.alloc::<f32>(16 << 20).unwrap();
+        assert!(owned.lock().unwrap().is_none(), "the hook did not run");
+        drop(b);
+        pool.empty_cache().unwrap();
     });
 }

@@ -1,9 +1,12 @@
 //! The registration bookkeeping on the simulated device, through a recording registrar: which
-//! segment is registered, in which order, across pool growth, release and communicator drop.
+//! segment is registered, in which order, across pool growth, release, failed deregistrations,
+//! drops inside hooks, and other allocators of the same device index.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use mempool::sim::SimDevice;
+use mempool::trace::{self, Action};
 use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, Sim, StreamId};
 use mempool_nccl::{Error, LaunchEnv, Registrar, Registration};
 
@@ -13,9 +16,11 @@ struct Book {
     live: Vec<(u64, u64, usize)>, // handle, addr, size
     log: Vec<String>,
     refuse: Option<u64>,
+    /// Failure injection: `deregister` fails (and the registration stays live) while set.
+    fail_deregister: bool,
 }
 
-/// Records every call; a registration is live from `register` to `deregister`.
+/// Records every call; a registration is live from `register` to a successful `deregister`.
 #[derive(Clone, Default)]
 struct Recording(Arc<Mutex<Book>>);
 
@@ -27,6 +32,9 @@ impl Recording {
     }
     fn log(&self) -> Vec<String> {
         self.0.lock().unwrap().log.clone()
+    }
+    fn fail_deregister(&self, yes: bool) {
+        self.0.lock().unwrap().fail_deregister = yes;
     }
 }
 
@@ -45,17 +53,24 @@ impl Registrar for Recording {
     fn deregister(&self, handle: u64) -> Result<(), String> {
         let mut b = self.0.lock().unwrap();
         let i = b.live.iter().position(|l| l.0 == handle).ok_or("unknown handle")?;
-        let (_, addr, _) = b.live.remove(i);
+        let addr = b.live[i].1;
+        if b.fail_deregister {
+            b.log.push(format!("deregister {addr:#x} failed"));
+            return Err("ncclInternalError".into());
+        }
+        b.live.remove(i);
         b.log.push(format!("deregister {addr:#x}"));
         Ok(())
     }
 }
 
-/// A pool allocator that fails the test if a segment is freed while still registered anywhere.
+/// A pool allocator that refuses to free a segment still registered anywhere, as
+/// `NcclMemAllocator` does (the caching allocator then keeps it cached), and records it.
 struct Checked {
     next: Mutex<u64>,
     registrars: Vec<Recording>,
     frees: Arc<Mutex<Vec<u64>>>,
+    refused: Arc<Mutex<Vec<u64>>>,
 }
 
 // SAFETY: only ever used with simulated allocators, whose memory is never read or written;
@@ -71,8 +86,9 @@ unsafe impl RawAllocator for Checked {
         Ok(a)
     }
     unsafe fn free(&self, ptr: u64, _: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
-        for r in &self.registrars {
-            assert!(!r.live().iter().any(|l| l.0 == ptr), "segment {ptr:#x} freed while still registered");
+        if self.registrars.iter().any(|r| r.live().iter().any(|l| l.0 == ptr)) {
+            self.refused.lock().unwrap().push(ptr);
+            return Err(BackendError::Failed(format!("segment {ptr:#x} is still registered")));
         }
         self.frees.lock().unwrap().push(ptr);
         Ok(())
@@ -82,12 +98,20 @@ unsafe impl RawAllocator for Checked {
     }
 }
 
-fn setup(registrars: Vec<Recording>) -> (Allocator<Sim>, MemPool<Sim>, Arc<Mutex<Vec<u64>>>) {
+struct Setup {
+    a: Allocator<Sim>,
+    pool: MemPool<Sim>,
+    frees: Arc<Mutex<Vec<u64>>>,
+    /// Frees refused because a registration was still live: none, unless a deregistration failed.
+    refused: Arc<Mutex<Vec<u64>>>,
+}
+
+fn setup(registrars: Vec<Recording>) -> Setup {
     let a = Allocator::sim(SimDevice::new(1 << 30));
-    let frees = Arc::default();
-    let raw = Checked { next: Mutex::new(0), registrars, frees: Arc::clone(&frees) };
+    let (frees, refused) = (Arc::default(), Arc::default());
+    let raw = Checked { next: Mutex::new(0), registrars, frees: Arc::clone(&frees), refused: Arc::clone(&refused) };
     let pool = MemPool::on(&a, PoolOptions::new().allocator(raw)).unwrap();
-    (a, pool, frees)
+    Setup { a, pool, frees, refused }
 }
 
 fn attach(a: &Allocator<Sim>, pool: &MemPool<Sim>, r: &Recording) -> Registration {
@@ -97,7 +121,7 @@ fn attach(a: &Allocator<Sim>, pool: &MemPool<Sim>, r: &Recording) -> Registratio
 #[test]
 fn existing_segments_then_growth_then_release() {
     let r = Recording::default();
-    let (a, pool, frees) = setup(vec![r.clone()]);
+    let Setup { a, pool, frees, refused } = setup(vec![r.clone()]);
     let x = pool.alloc::<u8>(100).unwrap(); // small segment, before the registration
     let reg = attach(&a, &pool, &r);
     assert_eq!(r.live(), pool.snapshot().segments.iter().map(|s| (s.address, s.total_size)).collect::<Vec<_>>());
@@ -119,12 +143,13 @@ fn existing_segments_then_growth_then_release() {
     assert!(r.live().is_empty());
     drop(pool);
     assert_eq!(frees.lock().unwrap().len(), 2);
+    assert!(refused.lock().unwrap().is_empty(), "a segment was freed while still registered");
 }
 
 #[test]
 fn a_segment_on_several_communicators() {
     let (r1, r2) = (Recording::default(), Recording::default());
-    let (a, pool, _frees) = setup(vec![r1.clone(), r2.clone()]);
+    let Setup { a, pool, refused, .. } = setup(vec![r1.clone(), r2.clone()]);
     let reg1 = attach(&a, &pool, &r1);
     let x = pool.alloc::<u8>(100).unwrap();
     let reg2 = attach(&a, &pool, &r2);
@@ -137,12 +162,13 @@ fn a_segment_on_several_communicators() {
     drop(pool); // released: the segment goes back, deregistered from r2 first
     assert!(r2.live().is_empty());
     drop(reg2);
+    assert!(refused.lock().unwrap().is_empty(), "a segment was freed while still registered");
 }
 
 #[test]
 fn pool_release_deregisters_before_every_free() {
     let r = Recording::default();
-    let (a, pool, frees) = setup(vec![r.clone()]);
+    let Setup { a, pool, frees, refused } = setup(vec![r.clone()]);
     let _reg = attach(&a, &pool, &r);
     let keep = pool.alloc::<u8>(5 << 20).unwrap();
     drop(pool.alloc::<u8>(100).unwrap());
@@ -153,12 +179,13 @@ fn pool_release_deregisters_before_every_free() {
     drop(keep); // and the other with its last block
     assert!(r.live().is_empty());
     assert_eq!(frees.lock().unwrap().len(), 2);
+    assert!(refused.lock().unwrap().is_empty(), "a segment was freed while still registered");
 }
 
 #[test]
 fn a_refused_registration_is_reported_and_the_pool_keeps_working() {
     let r = Recording::default();
-    let (a, pool, _frees) = setup(vec![r.clone()]);
+    let Setup { a, pool, .. } = setup(vec![r.clone()]);
     let reg = attach(&a, &pool, &r);
     r.0.lock().unwrap().refuse = Some(0x7000_0000_0000);
     let x = pool.alloc::<u8>(100).unwrap();
@@ -176,7 +203,7 @@ fn a_refused_registration_is_reported_and_the_pool_keeps_working() {
 #[test]
 fn device_wide_registration_covers_every_pool() {
     let r = Recording::default();
-    let (a, pool, _frees) = setup(vec![r.clone()]);
+    let Setup { a, pool, .. } = setup(vec![r.clone()]);
     let reg = Registration::attach(&a, None, Arc::new(r.clone())).unwrap();
     let _x = pool.alloc::<u8>(100).unwrap();
     let _y = a.alloc::<u8>(100).unwrap();
@@ -185,13 +212,107 @@ fn device_wide_registration_covers_every_pool() {
     assert!(r.live().is_empty());
 }
 
+/// A failed deregistration keeps its handle: the segment is still registered, so its free is
+/// refused and the caching allocator keeps it (announcing it again, which must not register it a
+/// second time); the next free retries the deregistration and then the segment goes.
+#[test]
+fn a_failed_deregistration_keeps_the_handle_and_the_segment_until_a_retry() {
+    let r = Recording::default();
+    let Setup { a, pool, frees, refused } = setup(vec![r.clone()]);
+    let reg = attach(&a, &pool, &r);
+    drop(pool.alloc::<u8>(100).unwrap());
+    let seg = r.live()[0];
+    r.fail_deregister(true);
+    let e = pool.empty_cache().unwrap_err();
+    assert!(e.to_string().contains("still registered"), "{e}");
+    assert_eq!(*refused.lock().unwrap(), [seg.0]);
+    assert!(frees.lock().unwrap().is_empty());
+    assert_eq!(r.live(), [seg], "announced again, the segment was registered twice");
+    assert_eq!(reg.segments(), [seg], "the registration dropped a handle that is still registered");
+    let errors = reg.take_errors();
+    assert!(matches!(&errors[..], [Error::Registration { segment, .. }] if *segment == seg.0), "{errors:?}");
+    // The pool works on with the cached segment.
+    let x = pool.alloc::<u8>(100).unwrap();
+    assert_eq!(x.device_ptr_raw(), seg.0);
+    drop(x);
+    // Once NCCL can deregister it, the next free does, and the segment goes back.
+    r.fail_deregister(false);
+    pool.empty_cache().unwrap();
+    assert_eq!(*frees.lock().unwrap(), [seg.0]);
+    assert!(r.live().is_empty());
+    assert!(reg.segments().is_empty());
+    let registers = r.log().iter().filter(|l| l.starts_with("register")).count();
+    assert_eq!(registers, 1, "{:?}", r.log());
+    assert_eq!(r.log().last().unwrap(), &format!("deregister {:#x}", seg.0));
+}
+
+/// A registration dropped inside a trace hook detaches: what it had registered is deregistered
+/// there, and later segments are not registered.
+#[test]
+fn a_registration_dropped_inside_a_hook_detaches() {
+    let r = Recording::default();
+    let Setup { a, pool, frees, refused } = setup(vec![r.clone()]);
+    let reg = attach(&a, &pool, &r);
+    let small = pool.alloc::<u8>(100).unwrap();
+    assert_eq!(r.live().len(), 1);
+    let owned = Arc::new(Mutex::new(Some(reg)));
+    let dropped_in_hook = Arc::new(AtomicBool::new(false));
+    let (o, flag, me) = (owned.clone(), dropped_in_hook.clone(), a.id());
+    let _hook = trace::attach(move |e| {
+        if e.allocator == me && e.action == Action::SegmentAlloc && e.size >= 30 << 20 {
+            if let Some(reg) = o.lock().unwrap().take() {
+                drop(reg);
+                flag.store(true, Ordering::SeqCst);
+            }
+        }
+    })
+    .unwrap();
+    let big = pool.alloc::<u8>(30 << 20).unwrap(); // its SegmentAlloc drops the registration
+    assert!(dropped_in_hook.load(Ordering::SeqCst));
+    assert!(r.live().is_empty(), "still registered after the registration was dropped: {:?}", r.live());
+    let before = r.log().len();
+    let later = pool.alloc::<u8>(50 << 20).unwrap(); // another new segment
+    assert_eq!(r.log().len(), before, "a segment was registered after the registration was dropped: {:?}", r.log());
+    drop((small, big, later));
+    pool.empty_cache().unwrap();
+    assert_eq!(frees.lock().unwrap().len(), 3);
+    assert!(refused.lock().unwrap().is_empty());
+}
+
+/// Other allocators' memory never reaches a registration, even where they call themselves the
+/// same device: a host allocator and another simulated one, both device 0.
+#[test]
+fn other_allocators_of_the_same_device_index_never_reach_the_registrar() {
+    let r = Recording::default();
+    let target = Allocator::sim(SimDevice::new(1 << 30));
+    let reg = Registration::attach(&target, None, Arc::new(r.clone())).unwrap();
+    let other = Allocator::sim(SimDevice::new(1 << 30));
+    let host = Allocator::host();
+    assert_eq!((other.device(), host.device()), (target.device(), target.device()));
+    let other_pool = MemPool::on(&other, PoolOptions::new()).unwrap();
+    for size in [100usize, 3 << 20, 30 << 20] {
+        drop(other.alloc::<u8>(size).unwrap());
+        drop(other_pool.alloc::<u8>(size).unwrap());
+        drop(host.alloc::<u8>(size).unwrap());
+    }
+    other.empty_cache().unwrap();
+    other_pool.empty_cache().unwrap();
+    host.empty_cache().unwrap();
+    assert!(r.log().is_empty(), "another allocator's segments reached the registrar: {:?}", r.log());
+    // The registration itself works: its own allocator's segment is registered.
+    let _x = target.alloc::<u8>(100).unwrap();
+    assert_eq!(r.live().len(), 1);
+    assert_eq!(reg.segments(), r.live());
+}
+
 #[test]
 fn same_allocation_sequence_same_offsets_on_every_rank() {
     // NVLS wants a buffer at the same offset of its segment on every local rank.
     // Each rank's allocator hands out other addresses (another device, another process).
     let offsets = |seed: u64, base: u64| {
         let a = Allocator::sim(SimDevice::new(1 << 38));
-        let raw = Checked { next: Mutex::new(base), registrars: Vec::new(), frees: Arc::default() };
+        let raw =
+            Checked { next: Mutex::new(base), registrars: Vec::new(), frees: Arc::default(), refused: Arc::default() };
         let pool = MemPool::on(&a, PoolOptions::new().allocator(raw)).unwrap();
         let mut x = seed;
         let mut live = Vec::new();
