@@ -117,12 +117,15 @@ replay_all() {
   done
 }
 
-run_replay() {
+# Every trace is read before anything runs, by the replay harness's reader, with no GPU: a bad one
+# stops the run before anything is timed.
+check_traces() {
   ((${#traces[@]})) || die "replay: no trace named (usage: compare.sh replay TRACE...)"
-  # Every trace is read first, by the same reader as the harness's, with no GPU: a bad one stops
-  # the run before anything is timed.
   "$CXX" -O2 -std=c++17 "$here/trace_check.cpp" -o "$tmp/trace_check" || die "building trace_check.cpp failed"
   "$tmp/trace_check" "${traces[@]}" || die "a trace is malformed (above); nothing ran"
+}
+
+run_replay() {
   build replay
   replay_all | tee "$res/replay.txt"
   ((PIPESTATUS[0] == 0)) || exit 1
@@ -267,6 +270,7 @@ for v in PYTORCH_CUDA_ALLOC_CONF MEMPOOL_ALLOC_CONF; do
 done
 [[ -n ${MEMPOOL_BENCH_ITERS:-} ]] && echo "compare.sh: MEMPOOL_BENCH_ITERS=$MEMPOOL_BENCH_ITERS: a short run, not comparable with BENCHMARKS.md" >&2
 echo "# compare.sh: torch $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)'), mempool-bench $MB, outputs in $res"
+((do_replay)) && check_traces
 status=0
 ((do_latency)) && run_latency
 ((do_latency && do_replay)) && echo
