@@ -28,6 +28,8 @@ root=$(cd "$here/../.." && pwd)
 # House rule on shared GPU hosts: NVLink multicast stays off (nothing here uses NCCL).
 export NCCL_NVLS_ENABLE=0
 PY=${PYTHON:-python3}
+# A relative MEMPOOL_BENCH names a file from here, wherever the script moves to later.
+[[ -n ${MEMPOOL_BENCH:-} && $MEMPOOL_BENCH != none && $MEMPOOL_BENCH != /* ]] && MEMPOOL_BENCH=$PWD/$MEMPOOL_BENCH
 
 die() {
   echo "compare.sh: $*" >&2
