@@ -1,0 +1,280 @@
+#!/usr/bin/env bash
+# compare.sh: mempool against PyTorch's CUDACachingAllocator and CUDA's allocators, side by side, in
+# one run on one GPU machine (only ratios within a run compare: the hosts' CPU speed moves between
+# runs). Builds the harnesses of this folder against the torch and CUDA installed here, runs them and
+# mempool-bench on the same workloads, and prints one table per workload. See README.md.
+#
+#   bash compare.sh latency                       alloc/free latency (pair, mixed)
+#   bash compare.sh replay TRACE...               trace replay (torch, torch_expand, cuda_async)
+#   bash compare.sh latency replay TRACE...       both
+#   bash compare.sh --join latency MEMPOOL_FILE HARNESS_FILE   the latency table again from saved outputs
+#   bash compare.sh --join replay FILE...                      the replay tables again
+#   bash compare.sh --self-test                   no GPU, torch or CUDA needed: the joining on canned
+#                                                 lines, and the trace reader against mempool-bench's
+#
+# Environment: MEMPOOL_BENCH   the mempool-bench binary (default: .gpu/bin/mempool-bench, then
+#                              target/release/mempool-bench, from the repository root; `none`: the
+#                              other systems only)
+#              OUT             where the raw outputs are kept (default: a new /tmp/mempool-compare.*)
+#              CXX (g++), CUDA_HOME (/usr/local/cuda), PYTHON (python3), MEMPOOL_BENCH_ITERS (both
+#              sides' timed iterations, 200,000 unless set: only full runs compare with BENCHMARKS.md)
+#
+# Exit status: 0 when everything ran and joined; 1 when a build, a run or a join failed (the message
+# says which); 2 on a usage error. Nothing here changes GPU clocks, modes or settings.
+set -uo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# The repository root, from mempool-bench/harness or from its bundled copy .gpu/harness alike.
+root=$(cd "$here/../.." && pwd)
+# House rule on shared GPU hosts: NVLink multicast stays off (nothing here uses NCCL).
+export NCCL_NVLS_ENABLE=0
+PY=${PYTHON:-python3}
+# A relative MEMPOOL_BENCH names a file from here, wherever the script moves to later.
+[[ -n ${MEMPOOL_BENCH:-} && $MEMPOOL_BENCH != none && $MEMPOOL_BENCH != /* ]] && MEMPOOL_BENCH=$PWD/$MEMPOOL_BENCH
+
+die() {
+  echo "compare.sh: $*" >&2
+  exit 1
+}
+
+usage() {
+  echo "usage:" >&2
+  sed -n '7,13s/^#  //p' "$here/compare.sh" >&2
+  exit 2
+}
+
+# --- the mempool-bench binary --------------------------------------------------------------------
+find_mempool_bench() {
+  if [[ -n ${MEMPOOL_BENCH:-} ]]; then
+    [[ $MEMPOOL_BENCH == none || -x $MEMPOOL_BENCH ]] || die "MEMPOOL_BENCH=$MEMPOOL_BENCH is not an executable file"
+    MB=$MEMPOOL_BENCH
+    return 0
+  fi
+  local c
+  for c in "$root/.gpu/bin/mempool-bench" "${CARGO_TARGET_DIR:-$root/target}/release/mempool-bench"; do
+    if [[ -x $c ]]; then
+      MB=$c
+      return 0
+    fi
+  done
+  return 1
+}
+
+# --- building ------------------------------------------------------------------------------------
+setup_build() {
+  command -v "$PY" > /dev/null || die "no $PY here (set PYTHON)"
+  TORCH=$("$PY" -c 'import torch, os; print(os.path.dirname(torch.__file__))') ||
+    die "$PY cannot import torch: the harnesses build against the installed PyTorch"
+  ABI=$("$PY" -c 'import torch; print(int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True)))') ||
+    die "$PY cannot tell torch's C++ ABI"
+  CUDA=${CUDA_HOME:-/usr/local/cuda}
+  [[ -f $CUDA/include/cuda_runtime.h ]] || die "no CUDA headers in $CUDA/include (set CUDA_HOME)"
+  CXX=${CXX:-g++}
+  command -v "$CXX" > /dev/null || die "no C++ compiler $CXX (set CXX)"
+  tmp=$(mktemp -d /tmp/mempool-harness.XXXXXX) || die "mktemp failed"
+  trap 'rm -rf "$tmp"' EXIT
+}
+
+# build NAME: NAME.cpp of this folder into $tmp/NAME, against torch's c10 and the CUDA runtime.
+build() {
+  local flags=(-O2 -std=c++17 -Wall -D_GLIBCXX_USE_CXX11_ABI="$ABI" -isystem "$TORCH/include" -isystem "$CUDA/include")
+  [[ -d $CUDA/include/cccl ]] && flags+=(-isystem "$CUDA/include/cccl")
+  local cmd=("$CXX" "${flags[@]}" "$here/$1.cpp" -o "$tmp/$1" -L"$TORCH/lib" -lc10_cuda -lc10
+    -L"$CUDA/lib64" -lcudart -Wl,-rpath,"$TORCH/lib:$CUDA/lib64")
+  echo "compare.sh: building $1: ${cmd[*]}" >&2
+  "${cmd[@]}" || die "building $1.cpp failed (the compiler's messages are above; torch: $TORCH, CUDA: $CUDA)"
+}
+
+# --- running -------------------------------------------------------------------------------------
+run_latency() {
+  build latency
+  local mine=$res/mempool_latency.txt theirs=$res/harness_latency.txt
+  "$tmp/latency" | tee "$theirs"
+  ((PIPESTATUS[0] == 0)) || die "the latency harness failed (its message is above)"
+  if [[ $MB == none ]]; then
+    : > "$mine"
+  else
+    "$MB" latency pair mixed --backend cuda | tee "$mine"
+    ((PIPESTATUS[0] == 0)) || die "$MB latency failed"
+  fi
+  echo
+  "$PY" "$here/join.py" latency "$mine" "$theirs"
+  joined $?
+}
+
+# joined RC: join.py's exit status counts against the run, except a missing mempool side
+# (status 1) when MEMPOOL_BENCH=none asked for the other systems only.
+joined() {
+  (($1 == 0)) || [[ $1 == 1 && $MB == none ]] || status=1
+}
+
+replay_all() {
+  local tr
+  for tr in "${traces[@]}"; do
+    "$tmp/replay" "$tr" || die "the replay harness failed on $tr"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$tmp/replay" --system torch --torch-name torch_expand "$tr" ||
+      die "the replay harness failed on $tr with expandable_segments:True"
+    if [[ $MB != none ]]; then
+      "$MB" replay "$tr" --backend cuda || die "$MB replay $tr failed"
+    fi
+  done
+}
+
+# Every trace is read before anything runs, by the replay harness's reader, with no GPU: a bad one
+# stops the run before anything is timed.
+check_traces() {
+  ((${#traces[@]})) || die "replay: no trace named (usage: compare.sh replay TRACE...)"
+  "$CXX" -O2 -std=c++17 "$here/trace_check.cpp" -o "$tmp/trace_check" || die "building trace_check.cpp failed"
+  "$tmp/trace_check" "${traces[@]}" || die "a trace is malformed (above); nothing ran"
+}
+
+run_replay() {
+  build replay
+  replay_all | tee "$res/replay.txt"
+  ((PIPESTATUS[0] == 0)) || exit 1
+  echo
+  "$PY" "$here/join.py" replay "$res/replay.txt"
+  joined $?
+}
+
+# --- self-test -----------------------------------------------------------------------------------
+self_test() {
+  local t=$here/selftest fails=0 checks=0 out rc
+  tmp=$(mktemp -d /tmp/mempool-harness-test.XXXXXX) || die "mktemp failed"
+  trap 'rm -rf "$tmp"' EXIT
+  ok() {
+    checks=$((checks + 1))
+    echo "ok   $1"
+  }
+  bad() {
+    checks=$((checks + 1))
+    fails=$((fails + 1))
+    echo "FAIL $1"
+  }
+  # expect NAME WANT_RC EXPECTED_FILE CMD...: CMD's exit status and output (stdout + stderr).
+  expect() {
+    local name=$1 want=$2 file=$3
+    shift 3
+    out=$("$@" 2>&1)
+    rc=$?
+    if ((rc != want)); then
+      bad "$name: exit status $rc, expected $want"
+      printf '%s\n' "$out" | sed 's/^/     /'
+    elif [[ -n $file ]] && ! diff -u "$file" <(printf '%s\n' "$out") > "$tmp/diff"; then
+      bad "$name: output differs from $(basename "$file")"
+      sed 's/^/     /' "$tmp/diff"
+    else
+      ok "$name"
+    fi
+  }
+
+  for f in compare.sh bundle.sh; do
+    expect "bash -n $f" 0 "" bash -n "$here/$f"
+  done
+  # From the canned files' folder, so that messages name them as the expected outputs do.
+  cd "$t" || die "no $t"
+  expect "join.py latency: canned lines, ratios as expected" 0 latency.expected \
+    "$PY" "$here/join.py" latency latency_mempool.txt latency_harness.txt
+  expect "join.py replay: canned lines, ratios as expected" 0 replay.expected \
+    "$PY" "$here/join.py" replay replay.txt
+  expect "join.py replay: systems that replayed different event counts are an error" 1 replay_mismatch.expected \
+    "$PY" "$here/join.py" replay replay_mismatch.txt
+  expect "join.py latency: a row seen twice is an error" 2 latency_twice.expected \
+    "$PY" "$here/join.py" latency latency_mempool.txt latency_harness.txt latency_harness.txt
+  expect "join.py latency: no mempool rows is an error" 1 "" \
+    "$PY" "$here/join.py" latency /dev/null latency_harness.txt
+
+  local cxx=${CXX:-g++}
+  if ! command -v "$cxx" > /dev/null; then
+    bad "no C++ compiler $cxx: the trace reader is not checked"
+  elif ! "$cxx" -O2 -std=c++17 -Wall -Wextra -pedantic -Werror "$here/trace_check.cpp" -o "$tmp/trace_check"; then
+    bad "trace_check.cpp does not build with $cxx"
+  else
+    ok "trace_check.cpp builds with $cxx -Wall -Wextra -pedantic -Werror"
+    cd traces || die "no $t/traces"
+    expect "trace reader: every form accepted, every problem refused with its line and message" 1 ../traces.expected \
+      "$tmp/trace_check" *.trace
+    if find_mempool_bench && [[ $MB != none ]]; then
+      trace_diff "canned traces refused" bad_*.trace
+      "$PY" "$t/trace_fuzz.py" "$tmp" 1 "${FUZZ:-600}" && trace_diff "${FUZZ:-600} random traces" "$tmp"/f*.trace
+    else
+      echo "skip trace reader against mempool-bench's: no mempool-bench binary (set MEMPOOL_BENCH)"
+    fi
+  fi
+  echo "self-test: $((checks - fails)) of $checks checks passed"
+  ((fails == 0))
+}
+
+# trace_diff WHAT TRACE...: trace_check and `mempool-bench replay --backend sim` must accept the same
+# traces (same event count) and refuse the others with the same message.
+trace_diff() {
+  local what=$1 f mine theirs differ=0 accepted=0
+  shift
+  for f in "$@"; do
+    theirs=$("$tmp/trace_check" "$f")
+    theirs=${theirs#"$f: "}
+    theirs=${theirs%% streams=*}
+    mine=$("$MB" replay "$f" --backend sim 2>&1 | head -n 1)
+    if [[ $mine == "mempool "* ]]; then
+      mine="ok events=$(sed 's/.* events=\([0-9]*\) .*/\1/' <<< "$mine")"
+      accepted=$((accepted + 1))
+    else
+      mine=${mine#"mempool-bench: $f: "}
+    fi
+    if [[ $mine != "$theirs" ]]; then
+      ((differ++ < 5)) && printf '     %s\n       mempool-bench: %s\n       trace_check:   %s\n' "$f" "$mine" "$theirs"
+    fi
+  done
+  if ((differ)); then
+    bad "trace reader against mempool-bench's, $what: $differ of $# differ"
+  else
+    ok "trace reader against mempool-bench's, $what: all $# the same ($accepted accepted)"
+  fi
+}
+
+# --- main ----------------------------------------------------------------------------------------
+(($#)) || usage
+case $1 in
+--self-test)
+  self_test
+  exit
+  ;;
+--join)
+  shift
+  exec "$PY" "$here/join.py" "$@"
+  ;;
+esac
+
+do_latency=0 do_replay=0 traces=()
+for a in "$@"; do
+  case $a in
+  latency) do_latency=1 ;;
+  replay) do_replay=1 ;;
+  -*) usage ;;
+  *)
+    ((do_replay)) || usage
+    [[ -f $a ]] || die "replay: no trace file $a"
+    traces+=("$a")
+    ;;
+  esac
+done
+
+if ! find_mempool_bench; then
+  die "no mempool-bench binary: run ../shared/tools/gpu-bundle and bash mempool-bench/harness/bundle.sh where cargo is (it lands in .gpu/bin), or set MEMPOOL_BENCH (MEMPOOL_BENCH=none: the other systems only)"
+fi
+setup_build
+res=${OUT:-$(mktemp -d /tmp/mempool-compare.XXXXXX)}
+mkdir -p "$res" || die "cannot make $res"
+# One device, the same for every side; the allocators' defaults, whatever this shell had set.
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+for v in PYTORCH_CUDA_ALLOC_CONF MEMPOOL_ALLOC_CONF; do
+  [[ -n ${!v:-} ]] && echo "compare.sh: $v=${!v} unset: every side runs with its default settings" >&2
+  unset "$v"
+done
+[[ -n ${MEMPOOL_BENCH_ITERS:-} ]] && echo "compare.sh: MEMPOOL_BENCH_ITERS=$MEMPOOL_BENCH_ITERS: a short run, not comparable with BENCHMARKS.md" >&2
+echo "# compare.sh: torch $("$PY" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)'), mempool-bench $MB, outputs in $res"
+((do_replay)) && check_traces
+status=0
+((do_latency)) && run_latency
+((do_latency && do_replay)) && echo
+((do_replay)) && run_replay
+exit $status
