@@ -136,10 +136,18 @@ unsafe impl RawAllocator for NcclMemAllocator {
                 r => Err(format!("ncclMemFree returned {r:?}")),
             }
         });
-        r.map_err(|e| match e {
-            ledger::FreeError::Held => held(ptr, size),
-            ledger::FreeError::Free(m) => BackendError::Failed(m),
-        })
+        match r {
+            Ok(()) => Ok(()),
+            Err(ledger::FreeError::Held) => Err(held(ptr, size)),
+            // ncclMemFree unmaps, releases and frees the address range in steps: after a failure
+            // there is no telling which were done, so the memory must not be used again. The
+            // contract of `free` says so: report the leak, and answer that it is gone.
+            Err(ledger::FreeError::Free(m)) => {
+                ledger::forget_segment(ptr);
+                eprintln!("mempool-nccl: {m}; segment {ptr:#x} ({size} bytes) is leaked, never reused");
+                Ok(())
+            }
+        }
     }
 
     fn granularity(&self) -> usize {

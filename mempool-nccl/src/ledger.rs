@@ -125,6 +125,11 @@ pub(crate) fn free_segment<E>(
     })
 }
 
+/// A segment whose free failed half-way: no longer a live segment of ours (leaked).
+pub(crate) fn forget_segment(addr: u64) {
+    ledger().segments.remove(&addr);
+}
+
 /// Why [`free_segment`] did not free.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum FreeError<E> {

@@ -1,8 +1,11 @@
 //! Keeping a pool's segments registered as the pool grows and shrinks.
 //!
 //! A [`Registration`] registers every segment that exists when it is made, then follows the
-//! allocator's trace hooks: a `SegmentAlloc` is registered before any block of the segment is
-//! handed out, and a `SegmentFree` deregistered before the memory goes back to its allocator.
+//! allocator's trace hooks: a `SegmentAlloc` is registered as the hook sees it (normally before
+//! the allocating call returns; a block another thread takes at that moment may be used in a
+//! collective before, which NCCL then runs without zero-copy, correctly), and a `SegmentFree` is
+//! deregistered before the memory goes back to its allocator (always: the allocator frees it
+//! only after the hook returned).
 //! The registering itself goes through the [`Registrar`] trait: a communicator supplies one
 //! (`ncclCommRegister`), and the tests a recording one on the simulated device. This module knows
 //! nothing of communicators; a communicator keeps a `RegLink` to each of its registrations to

@@ -303,19 +303,36 @@ fn dropping_a_communicator_with_a_peer_gone_does_not_hang() {
         return;
     }
     let mut comms = Communicator::all_local(&[0, 1]).expect("communicators");
-    let silent = comms.pop().unwrap(); // rank 1: never joins
+    let silent = comms.pop().unwrap(); // rank 1: one all-reduce, then never again
     let comm = comms.pop().unwrap();
-    let stream = within(60, "rank 0's all-reduce", move || {
+    // Both ranks run one all-reduce together, so NCCL's connections are up (its first collective
+    // sets them up on the host, and would wait for the peer there).
+    let (joined_tx, joined_rx) = std::sync::mpsc::channel();
+    let peer = std::thread::spawn(move || {
+        let alloc = Allocator::cuda(silent.device()).unwrap();
+        let stream = alloc.current_stream();
+        let pool = nccl_pool(silent.device()).unwrap();
+        let mut b = filled(&pool, &stream, 1f32, 1 << 20);
+        silent.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap();
+        stream.synchronize().unwrap();
+        joined_tx.send(()).unwrap();
+        (silent, b, pool)
+    });
+    let stream = within(60, "rank 0's all-reduces", move || {
         let alloc = Allocator::cuda(comm.device()).unwrap();
         let stream = alloc.current_stream();
         let pool = nccl_pool(comm.device()).unwrap();
         let reg = comm.register_pool(&pool).unwrap();
         let mut b = filled(&pool, &stream, 1f32, 1 << 20);
-        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap(); // waits for rank 1 on the device
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap();
+        joined_rx.recv().unwrap();
+        // Rank 1 is gone now: this one waits for it on the device, forever.
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap();
         drop(reg);
         drop(comm); // aborts: returns although rank 1 never came
         (stream, b, pool)
     });
+    let silent = peer.join().expect("rank 1");
     within(60, "rank 1's drop", move || drop(silent));
     // The aborted all-reduce left the stream (NCCL's kernels watch the abort flag).
     within(60, "the aborted stream", move || {

@@ -197,11 +197,7 @@ impl<K: Kind> Allocator<K> {
     }
 
     pub(crate) fn check_device(&self, stream: &K::Stream, what: &'static str) -> Result<()> {
-        let found = K::stream_device(stream, self.shared.device);
-        if found != self.shared.device {
-            return Err(Error::WrongDevice { what, expected: self.shared.device, found });
-        }
-        Ok(())
+        crate::kind::check_stream::<K>(stream, self.shared.device, what)
     }
 
     /// A buffer of `len` elements of `T` on the current stream. Its contents are whatever the
@@ -297,9 +293,11 @@ impl<K: Kind> Allocator<K> {
     /// only after the work queued on `stream` until then has completed.
     pub fn record_stream_bytes(&self, ptr: u64, stream: &K::Stream) -> Result<()> {
         self.check_device(stream, "record_stream_bytes")?;
-        let block = self.shared.core.raw_block(ptr).ok_or(Error::InvalidFree { ptr, device: self.shared.device })?;
-        self.shared.core.record_stream(block, K::stream_ref(stream), K::keep(stream));
-        Ok(())
+        if self.shared.core.record_stream_raw(ptr, K::stream_ref(stream), K::keep(stream)) {
+            Ok(())
+        } else {
+            Err(Error::InvalidFree { ptr, device: self.shared.device })
+        }
     }
 
     /// Waits for pending cross-stream frees, then gives every wholly free cached segment back to

@@ -18,11 +18,10 @@ use crate::kind::{Cuda, Handle, Kind};
 /// CUDA buffers (`Buffer<T>`, i.e. `Buffer<T, Cuda>`) implement cudarc's [`DeviceSlice`],
 /// [`DevicePtr`] and [`DevicePtrMut`], so they go wherever a `CudaSlice` goes: `memcpy_htod`,
 /// `memcpy_dtoh`, `launch_builder(..).arg(&buf)`, NCCL. A cudarc copy on another stream than the
-/// buffer's own is ordered as cudarc orders its own slices: it waits for the work queued on the
-/// buffer's stream so far (a fresh `alloc_zeros` fill included), and the buffer's stream waits
-/// for the copy before the buffer's next use or its reuse. For a kernel launched on another
-/// stream, call [`record_stream`](Buffer::record_stream) (cudarc does not tell a kernel argument
-/// its stream; the launch is `unsafe` for that reason).
+/// buffer's own waits for the work queued on the buffer's stream so far (a fresh `alloc_zeros`
+/// fill included), and returns once that stream has done the copy. For a kernel launched on
+/// another stream, call [`record_stream`](Buffer::record_stream) (cudarc does not tell a kernel
+/// argument its stream; the launch is `unsafe` for that reason).
 ///
 /// ```no_run
 /// let alloc = mempool::Allocator::cuda(0)?;
@@ -97,10 +96,7 @@ impl<T, K: Kind> Buffer<T, K> {
     /// buffer's own stream needs no recording. A stream of another device is an error. The
     /// buffer holds `stream` alive until then.
     pub fn record_stream(&self, stream: &K::Stream) -> Result<()> {
-        let found = K::stream_device(stream, self.shared.device);
-        if found != self.shared.device {
-            return Err(crate::Error::WrongDevice { what: "record_stream", expected: self.shared.device, found });
-        }
+        crate::kind::check_stream::<K>(stream, self.shared.device, "record_stream")?;
         if let Some(b) = self.block {
             self.shared.core.record_stream(b, K::stream_ref(stream), K::keep(stream));
         }
@@ -111,7 +107,6 @@ impl<T, K: Kind> Buffer<T, K> {
 impl<T, K: Kind> Drop for Buffer<T, K> {
     fn drop(&mut self) {
         if let Some(b) = self.block {
-            K::before_free(&self.stream_cache);
             self.shared.core.free(b);
         }
     }
@@ -129,32 +124,26 @@ impl<T, K: Kind> fmt::Debug for Buffer<T, K> {
 }
 
 impl<T> Buffer<T, Cuda> {
-    /// Orders a use on `stream`: after the work queued on the buffer's stream so far, and, for
-    /// another stream, with the buffer's stream waiting for it afterwards (the returned guard
-    /// records the use when cudarc's borrow ends).
+    /// Orders a use on `stream`. On the buffer's own stream nothing is needed. Another stream
+    /// first waits for the work queued on the buffer's stream so far (its zero fill, the writes
+    /// before this use), through an event; and the cudarc call returns only once that stream has
+    /// done the use (cudarc synchronises it when the borrow ends), so the buffer's stream, and the
+    /// block's reuse after a drop, can never run ahead of it. One event per use would let the call
+    /// return at once, but a buffer is `Sync`: two threads could use it on two streams at a time,
+    /// and one event per buffer could then forget one of them.
     fn use_on<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
         if self.block.is_none() {
             return SyncOnDrop::Sync(None);
         }
         let own = DeviceSlice::stream(self);
-        let cache = &self.stream_cache;
-        cache.wait_foreign(own);
         if stream.cu_stream() == own.cu_stream() && stream.context() == own.context() {
             return SyncOnDrop::Sync(None);
         }
-        // The other stream starts after what the buffer's stream has queued (its zero fill, the
-        // writes before this use)...
         if stream.join(own).is_err() {
+            // Could not order it on the device: finish the buffer's stream on the host instead.
             let _ = own.synchronize();
         }
-        // ...and the buffer's stream will wait for this use, through the event cudarc records on
-        // `stream` when the borrow ends. Without an event (or when the context does not let
-        // cudarc record it), the use is waited for on the host right after it is queued.
-        let ev = cache.foreign_event(own);
-        match ev {
-            Some(ev) if stream.context().is_managing_stream_synchronization() => SyncOnDrop::Record(Some((ev, stream))),
-            _ => SyncOnDrop::Sync(Some(stream)),
-        }
+        SyncOnDrop::Sync(Some(stream))
     }
 }
 

@@ -43,6 +43,12 @@ pub enum Error {
         /// The stream's device.
         found: usize,
     },
+    /// A stream the allocator cannot tell apart from others: cudarc's per-thread default stream
+    /// (one handle that means another stream on every thread).
+    UnsupportedStream {
+        /// What was being done.
+        what: &'static str,
+    },
     /// A bad `MEMPOOL_ALLOC_CONF` entry or builder value.
     Config(String),
     /// A trace callback called back into mempool (which would deadlock); nothing was done.
@@ -150,6 +156,12 @@ impl fmt::Display for Error {
             Error::WrongDevice { what, expected, found } => {
                 write!(f, "{what}: the stream belongs to device {found}, but the allocator is on device {expected}")
             }
+            Error::UnsupportedStream { what } => write!(
+                f,
+                "{what}: the per-thread default stream (CU_STREAM_PER_THREAD) names another stream on each \
+                 thread, so the allocator cannot order its blocks by it; use a stream of your own \
+                 (`ctx.new_stream()`) or the context's default stream"
+            ),
             Error::Config(msg) => write!(f, "invalid allocator config: {msg}"),
             Error::Reentrant => write!(
                 f,

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::CudaStream;
 
 use crate::backend::cuda::CudaBackend;
 use crate::backend::sim::SimStream;
@@ -39,10 +39,30 @@ pub trait Kind: sealed::Sealed + Sized + Send + Sync + 'static {
     /// The stream object back from what the allocator holds.
     #[doc(hidden)]
     fn resolve(shared: &Shared<Self>, stream: StreamRef, keep: Option<Keep>) -> Self::Stream;
-    /// Orders the buffer's own stream after its uses elsewhere, before its block is freed.
+    /// Whether the allocator can key this stream (CUDA's per-thread stream it cannot).
     #[doc(hidden)]
-    fn before_free(_cache: &Self::StreamCache) {}
+    fn usable(_s: &Self::Stream) -> bool {
+        true
+    }
 }
+
+/// The checks every entry point that takes a stream makes: the allocator's device, and a stream
+/// the allocator can tell apart from others.
+pub(crate) fn check_stream<K: Kind>(s: &K::Stream, device: usize, what: &'static str) -> crate::error::Result<()> {
+    let found = K::stream_device(s, device);
+    if found != device {
+        return Err(crate::error::Error::WrongDevice { what, expected: device, found });
+    }
+    if !K::usable(s) {
+        return Err(crate::error::Error::UnsupportedStream { what });
+    }
+    Ok(())
+}
+
+/// `CU_STREAM_LEGACY`: the legacy default stream, the same stream as the null handle.
+const CU_STREAM_LEGACY: usize = 0x1;
+/// `CU_STREAM_PER_THREAD`: a different stream on every thread.
+const CU_STREAM_PER_THREAD: usize = 0x2;
 
 /// NVIDIA GPUs through cudarc. Streams are cudarc's `Arc<CudaStream>`.
 #[derive(Debug)]
@@ -100,14 +120,17 @@ impl Kind for Cuda {
     type Ext = CudaExt;
     type StreamCache = CudaCache;
     fn stream_ref(s: &Arc<CudaStream>) -> StreamRef {
-        if s.cu_stream().is_null() {
+        if s.cu_stream().is_null() || s.cu_stream() as usize == CU_STREAM_LEGACY {
             // The legacy default stream: one per context, never destroyed.
             return StreamRef::DEFAULT;
         }
         StreamRef { key: cuda_stream_key(s), raw: StreamId(s.cu_stream() as u64) }
     }
     fn keep(s: &Arc<CudaStream>) -> Option<Keep> {
-        (!s.cu_stream().is_null()).then(|| s.clone() as Keep)
+        (Cuda::stream_ref(s).key != StreamKey::DEFAULT).then(|| s.clone() as Keep)
+    }
+    fn usable(s: &Arc<CudaStream>) -> bool {
+        s.cu_stream() as usize != CU_STREAM_PER_THREAD
     }
     fn stream_device(s: &Arc<CudaStream>, _: usize) -> usize {
         s.context().ordinal()
@@ -118,9 +141,6 @@ impl Kind for Cuda {
             Some(s) => s,
             None => shared.ext.backend.context().default_stream(),
         }
-    }
-    fn before_free(cache: &CudaCache) {
-        cache.before_free();
     }
 }
 
@@ -206,14 +226,11 @@ impl<K: Kind> std::ops::Deref for Handle<K> {
     }
 }
 
-/// A CUDA buffer's lazily found stream, and the event of its last use on another stream.
+/// A CUDA buffer's stream object, found on first use.
 #[doc(hidden)]
 #[derive(Default)]
 pub struct CudaCache {
     stream: OnceLock<Arc<CudaStream>>,
-    /// Recorded (by cudarc, when the borrow ends) on the other stream after each use there; the
-    /// buffer's own stream waits on it before its next use and before the block is freed.
-    foreign: OnceLock<Option<CudaEvent>>,
 }
 
 impl fmt::Debug for CudaCache {
@@ -223,31 +240,8 @@ impl fmt::Debug for CudaCache {
 }
 
 impl CudaCache {
-    /// The buffer's stream waits for its last use elsewhere: its block is reused in that
-    /// stream's order.
-    pub(crate) fn before_free(&self) {
-        if let Some(own) = self.stream.get() {
-            self.wait_foreign(own);
-        }
-    }
-
     /// The buffer's stream, found on first use.
     pub(crate) fn stream(&self, find: impl FnOnce() -> Arc<CudaStream>) -> &Arc<CudaStream> {
         self.stream.get_or_init(find)
-    }
-
-    /// The event recorded after each use on another stream (`None` if none could be made).
-    pub(crate) fn foreign_event(&self, own: &CudaStream) -> &Option<CudaEvent> {
-        self.foreign.get_or_init(|| own.context().new_event(None).ok())
-    }
-
-    /// Makes `own` wait for the last use on another stream, if there was one.
-    pub(crate) fn wait_foreign(&self, own: &CudaStream) {
-        if let Some(Some(ev)) = self.foreign.get() {
-            if own.wait(ev).is_err() {
-                // Could not order it on the device: wait on the host instead.
-                let _ = ev.synchronize();
-            }
-        }
     }
 }

@@ -20,6 +20,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use crate::allocator::Allocator;
+use crate::backend::contain;
 pub use crate::backend::RawAllocator;
 use crate::buffer::Buffer;
 use crate::caching::PoolSpec;
@@ -83,7 +84,7 @@ impl PoolOptions {
         self
     }
 
-    /// Segment sizes rounded up to a multiple of `bytes` (a power of two, at most 1 TiB; a
+    /// Segment sizes rounded up to a multiple of `bytes` (a power of two, at most 1 GiB; a
     /// bad value is refused by [`MemPool::on`]), on top of what the allocator asks for.
     pub fn granularity(mut self, bytes: usize) -> PoolOptions {
         self.granularity = Some(bytes);
@@ -91,8 +92,8 @@ impl PoolOptions {
     }
 }
 
-/// The largest segment granularity a pool takes.
-const MAX_GRANULARITY: usize = 1 << 40;
+/// The largest segment granularity a pool takes (segments are at most 1 TiB − 512 B).
+const MAX_GRANULARITY: usize = 1 << 30;
 
 pub(crate) struct PoolInner<K: Kind> {
     pub(crate) alloc: Allocator<K>,
@@ -138,27 +139,30 @@ impl MemPool<Cuda> {
 
 impl<K: Kind> MemPool<K> {
     /// A pool of `alloc`'s device with these options. Errors: a granularity (of the options or
-    /// of the pool's allocator) that is not a power of two of at most 1 TiB ([`Error::Config`]).
+    /// of the pool's allocator) that is not a power of two of at most 1 GiB ([`Error::Config`]);
+    /// a pool allocator whose `granularity` or `name` panics ([`Error::PoolAllocator`]).
     pub fn on(alloc: &Allocator<K>, options: PoolOptions) -> Result<MemPool<K>> {
-        let raw_gran = options.allocator.as_ref().map_or(512, |a| a.granularity());
+        let id = PoolId::fresh();
+        let (raw_gran, name) = match &options.allocator {
+            None => (512, alloc.backend_kind().to_string()),
+            Some(a) => contain("RawAllocator::granularity and name", || Ok((a.granularity(), a.name().to_string())))
+                .map_err(|e| Error::PoolAllocator { pool: id.0, allocator: "?".into(), message: e.to_string() })?,
+        };
         let asked = options.granularity.unwrap_or(512);
         for (what, g) in [("PoolOptions::granularity", asked), ("RawAllocator::granularity", raw_gran)] {
             if !g.is_power_of_two() || g > MAX_GRANULARITY {
                 return Err(Error::Config(format!(
-                    "{what} is {g}: a segment granularity must be a power of two of at most 1 TiB"
+                    "{what} is {g}: a segment granularity must be a power of two of at most 1 GiB"
                 )));
             }
         }
-        let granularity = asked.max(raw_gran).max(512);
-        let id = PoolId::fresh();
-        let name =
-            options.allocator.as_ref().map_or_else(|| alloc.backend_kind().to_string(), |a| a.name().to_string());
         let spec = PoolSpec {
             id,
             raw: options.allocator,
             use_on_oom: options.use_on_oom,
             no_split: options.no_split,
-            granularity,
+            granularity: asked.max(raw_gran).max(512),
+            align: raw_gran.max(512),
             name,
         };
         let pool = alloc.shared.core.register_pool(spec);

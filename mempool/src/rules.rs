@@ -47,7 +47,9 @@ fn next_division(size: usize, divisions: usize) -> Option<usize> {
         return Some(size);
     }
     let floor = 1usize << (usize::BITS - 1 - size.leading_zeros());
-    let step = floor / divisions;
+    // A whole number of 512 B units: blocks must stay 512-byte aligned whatever the divisions
+    // (a power of two gives that already; a hand-made `Config` might not).
+    let step = (floor / divisions).checked_next_multiple_of(MIN_BLOCK_SIZE)?;
     if step == 0 {
         return floor.checked_mul(2);
     }

@@ -28,7 +28,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::id::StreamKey;
 use crate::kind::Kind;
 use crate::pool::MemPool;
@@ -73,10 +73,7 @@ impl<K: Kind> MemPool<K> {
     /// Like [`scope`](Self::scope), for allocations on `stream`. A stream of another device than
     /// the pool's is an error naming both devices.
     pub fn scope_on(&self, stream: &K::Stream) -> Result<PoolScope<'_>> {
-        let found = K::stream_device(stream, self.device());
-        if found != self.device() {
-            return Err(Error::WrongDevice { what: "MemPool::scope_on", expected: self.device(), found });
-        }
+        crate::kind::check_stream::<K>(stream, self.device(), "MemPool::scope_on")?;
         Ok(PoolScope::begin(self, K::stream_ref(stream).key))
     }
 
@@ -95,10 +92,7 @@ impl<K: Kind> MemPool<K> {
     /// Like [`scoped`](Self::scoped), for allocations on `stream` (an error if it belongs to
     /// another device).
     pub fn scoped_on<F: Future>(&self, stream: &K::Stream, fut: F) -> Result<Scoped<K, F>> {
-        let found = K::stream_device(stream, self.device());
-        if found != self.device() {
-            return Err(Error::WrongDevice { what: "MemPool::scoped_on", expected: self.device(), found });
-        }
+        crate::kind::check_stream::<K>(stream, self.device(), "MemPool::scoped_on")?;
         Ok(Scoped { pool: self.clone(), stream: K::stream_ref(stream).key, fut: Box::pin(fut) })
     }
 

@@ -50,51 +50,60 @@ struct Tls {
 }
 
 thread_local! {
-    static TLS: RefCell<Tls> = const { RefCell::new(Tls { streams: Vec::new(), routes: Vec::new(), next_id: 1 }) };
+    static TLS: RefCell<Tls> =
+        const { RefCell::new(Tls { streams: Vec::new(), routes: Vec::new(), next_id: 1 }) };
 }
 
 fn current_of(t: &Tls, key: u32) -> Option<&Current> {
     t.streams.iter().rev().find(|c| c.key == key)
 }
 
+// Every access is `try_with`: a thread-local destructor may allocate after this thread's
+// context is gone; it then gets the default stream and no routes.
+
 /// This thread's current stream for allocator `key`.
 #[inline]
 pub(crate) fn current(key: u32) -> StreamRef {
-    TLS.with(|t| current_of(&t.borrow(), key).map_or(StreamRef::DEFAULT, |c| c.stream))
+    TLS.try_with(|t| current_of(&t.borrow(), key).map_or(StreamRef::DEFAULT, |c| c.stream))
+        .unwrap_or(StreamRef::DEFAULT)
 }
 
 /// What keeps this thread's current stream for allocator `key` alive (`None` for the default
 /// stream, and for kinds whose streams never die).
 pub(crate) fn current_keep(key: u32) -> Option<Keep> {
-    TLS.with(|t| current_of(&t.borrow(), key).and_then(|c| c.keep.clone()))
+    TLS.try_with(|t| current_of(&t.borrow(), key).and_then(|c| c.keep.clone())).ok().flatten()
 }
 
 /// This thread's current stream for allocator `key`, and the pool its allocations go to: the
 /// innermost scope of this thread on that stream, or the default pools.
 #[inline]
 pub(crate) fn current_with_pool(key: u32) -> (StreamRef, PoolRef) {
-    TLS.with(|t| {
+    TLS.try_with(|t| {
         let t = t.borrow();
         let s = current_of(&t, key).map_or(StreamRef::DEFAULT, |c| c.stream);
-        if t.routes.is_empty() {
+        // Inside a pool allocator's `alloc`, routes are set aside: a pool allocator allocating in
+        // its own scope would otherwise call itself without end.
+        if t.routes.is_empty() || crate::backend::in_source() {
             return (s, PoolRef::DEFAULT);
         }
         let pool =
             t.routes.iter().rev().find(|r| r.key == key && r.stream == s.key).map_or(PoolRef::DEFAULT, |r| r.pool);
         (s, pool)
     })
+    .unwrap_or((StreamRef::DEFAULT, PoolRef::DEFAULT))
 }
 
 /// Begins routing; returns the route's id for [`end_route`].
 #[inline]
 pub(crate) fn begin_route(key: u32, stream: StreamKey, pool: PoolRef) -> u64 {
-    TLS.with(|t| {
+    TLS.try_with(|t| {
         let mut t = t.borrow_mut();
         let id = t.next_id;
         t.next_id += 1;
         t.routes.push(Route { key, stream, pool, id });
         id
     })
+    .unwrap_or(0) // no context left on this thread: nothing to route, nothing to end
 }
 
 /// Ends exactly the route `id`, wherever it is in the stack (guards may be dropped out of order).
@@ -126,13 +135,15 @@ pub struct StreamGuard {
 
 impl StreamGuard {
     pub(crate) fn new(key: u32, stream: StreamRef, keep: Option<Keep>) -> StreamGuard {
-        let id = TLS.with(|t| {
-            let mut t = t.borrow_mut();
-            let id = t.next_id;
-            t.next_id += 1;
-            t.streams.push(Current { key, stream, keep, id });
-            id
-        });
+        let id = TLS
+            .try_with(|t| {
+                let mut t = t.borrow_mut();
+                let id = t.next_id;
+                t.next_id += 1;
+                t.streams.push(Current { key, stream, keep, id });
+                id
+            })
+            .unwrap_or(0);
         StreamGuard { id, key, _not_send: PhantomData }
     }
 }

@@ -76,7 +76,9 @@ pub unsafe trait Backend: Send + Sync + 'static {
     /// A new segment of exactly `size` bytes (`size > 0`), aligned to at least 512 bytes.
     /// `stream` is the stream the first allocation in it is made for.
     fn alloc_segment(&self, size: usize, stream: StreamId) -> Result<u64, BackendError>;
-    /// Gives back a segment.
+    /// Gives back a segment. An `Err` means it was **not** given back: the memory is still the
+    /// caller's, untouched, and the allocator keeps using it (an implementation that cannot tell
+    /// must not return `Err`).
     ///
     /// # Safety
     /// `addr` and `size` are those of a segment from [`alloc_segment`](Backend::alloc_segment)
@@ -129,7 +131,10 @@ pub unsafe trait Backend: Send + Sync + 'static {
 /// An implementer promises that a successful [`alloc`](RawAllocator::alloc) returns the address
 /// of `size` bytes of memory of `device` that the caller may read and write (device memory for
 /// CUDA pools: the allocator zero-fills it with `cuMemsetD8Async` and cudarc copies into it),
-/// that nothing else uses until the same range is given back to [`free`](RawAllocator::free).
+/// that nothing else uses until the same range is given back to [`free`](RawAllocator::free),
+/// and that a `free` which returns `Err` (or panics) did **not** give it back: the range is
+/// still the caller's, untouched, and the allocator puts it back in its cache and keeps using
+/// it. A `free` that cannot tell whether it freed the memory must return `Ok` (and leak).
 /// The allocator hands these bytes to safe code; a made-up, shared or too small range would be
 /// undefined behaviour that the safe API could reach.
 pub unsafe trait RawAllocator: Send + Sync + 'static {
@@ -138,7 +143,7 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
     /// A new segment of `size` bytes for `stream` of `device` (the stream is alive during the
     /// call).
     fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError>;
-    /// Gives a segment back.
+    /// Gives a segment back; `Err` means it was not (see the trait's safety contract).
     ///
     /// # Safety
     /// `ptr` and `size` are exactly those of a segment this allocator's
@@ -150,6 +155,24 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
     fn granularity(&self) -> usize {
         512
     }
+}
+
+thread_local! {
+    static IN_SOURCE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Runs `f` (a pool allocator's `alloc`) marked as inside a segment source on this thread.
+pub(crate) fn as_source<T>(f: impl FnOnce() -> T) -> T {
+    let _ = IN_SOURCE.try_with(|c| c.set(c.get() + 1));
+    let _back = scopeguard::guard((), |()| {
+        let _ = IN_SOURCE.try_with(|c| c.set(c.get() - 1));
+    });
+    f()
+}
+
+/// Whether this thread is inside a pool allocator's `alloc`.
+pub(crate) fn in_source() -> bool {
+    IN_SOURCE.try_with(|c| c.get() > 0).unwrap_or(false)
 }
 
 /// Runs user code (a pool allocator, a hook) so that a panic in it becomes an error instead of

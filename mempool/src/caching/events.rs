@@ -6,6 +6,26 @@ use crate::backend::Backend;
 use crate::error::Error;
 
 impl State {
+    /// Notes that `stream` uses an allocated block; returns whether the stream is new to it.
+    pub(super) fn record_use(
+        &mut self,
+        block: BlockIdx,
+        stream: crate::id::StreamRef,
+        keep: Option<crate::backend::Keep>,
+    ) -> bool {
+        let b = self.block(block);
+        if b.state != crate::snapshot::BlockState::Allocated || stream.key == self.seg(b.seg).stream.key {
+            return false;
+        }
+        self.block_mut(block).has_uses = true;
+        let uses = self.uses.entry(block).or_default();
+        if uses.iter().any(|u| u.stream.key == stream.key) {
+            return false;
+        }
+        uses.push(Use { stream, keep });
+        true
+    }
+
     /// Records an event on every stream that used `block` (now `AwaitingStreams`).
     pub(super) fn record_uses(&mut self, be: &dyn Backend, block: BlockIdx, uses: Vec<Use>) {
         for u in uses {
@@ -18,7 +38,9 @@ impl State {
                 }
                 Err(e) => {
                     // Without an event there is no telling when the other stream is done with the
-                    // block: it stays out of circulation rather than risk handing it out early.
+                    // block: it stays out of circulation (a wait no event will ever end) rather
+                    // than risk handing it out early.
+                    self.block_mut(block).pending += 1;
                     let addr = self.block(block).addr;
                     self.error.get_or_insert(Error::Backend {
                         op: "recording a cross-stream event",

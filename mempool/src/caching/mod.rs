@@ -25,7 +25,7 @@ mod freeset;
 mod segments;
 mod state;
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
@@ -41,11 +41,16 @@ pub(crate) use state::{BlockIdx, PoolSpec};
 use state::{Slot, Source, State, Work};
 
 thread_local! {
-    /// This thread is running outbox work (a hook, a segment free) of some allocator: a flush
-    /// asked for meanwhile is left to that loop (or to the allocator's next call), never waited
-    /// for, so nothing a hook or a pool allocator does can wait on itself.
-    static RUNNING_WORK: Cell<bool> = const { Cell::new(false) };
+    /// The allocators whose outbox this thread is running (a hook or a segment free is under
+    /// way): a flush of one of them asked for meanwhile is left to that loop, so nothing a hook
+    /// or a pool allocator does waits on itself. Other allocators' outboxes it runs as usual.
+    static RUNNING: RefCell<Vec<AllocatorId>> = const { RefCell::new(Vec::new()) };
 }
+
+/// How long a call that promises its work is done (a new segment announced, `empty_cache`'s
+/// memory back) waits for another thread that is running the outbox before it goes on without:
+/// a hook may be waiting for a lock the caller holds, and then waiting longer would be a hang.
+const OUTBOX_PATIENCE: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// An allocation request.
 pub(crate) struct Request<'a> {
@@ -90,6 +95,7 @@ impl DeviceAllocator {
             use_on_oom: false,
             no_split: false,
             granularity: 512,
+            align: 512,
             name: backend.kind().to_string(),
         };
         let device = backend.device();
@@ -132,24 +138,35 @@ impl DeviceAllocator {
     }
 
     /// Runs the outbox: hook events and segment frees, one thread at a time, in queue order.
+    /// `wait`: if another thread is running it, wait (a bounded time) for the lock rather than
+    /// leave our work to that thread.
     #[cold]
     fn flush(&self, wait: bool) {
-        if RUNNING_WORK.with(Cell::get) {
+        if RUNNING.with(|r| r.borrow().contains(&self.id)) {
             return;
         }
+        let since = std::time::Instant::now();
         loop {
-            let guard = if wait {
-                self.outbox.lock().unwrap_or_else(|p| p.into_inner())
-            } else {
-                match self.outbox.try_lock() {
-                    Ok(g) => g,
-                    Err(TryLockError::Poisoned(p)) => p.into_inner(),
-                    // The thread that holds it runs our work too (it looks again after letting go).
-                    Err(TryLockError::WouldBlock) => return,
+            let guard = match self.outbox.try_lock() {
+                Ok(g) => g,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                // The thread that holds it runs our work too (it looks again after letting go).
+                Err(TryLockError::WouldBlock) if !wait || since.elapsed() > OUTBOX_PATIENCE => return,
+                Err(TryLockError::WouldBlock) => {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                    continue;
                 }
             };
-            RUNNING_WORK.with(|r| r.set(true));
-            let _running = scopeguard::guard((), |()| RUNNING_WORK.with(|r| r.set(false)));
+            RUNNING.with(|r| r.borrow_mut().push(self.id));
+            let id = self.id;
+            let _running = scopeguard::guard((), move |()| {
+                RUNNING.with(|r| {
+                    let mut r = r.borrow_mut();
+                    if let Some(i) = r.iter().rposition(|x| *x == id) {
+                        r.remove(i);
+                    }
+                })
+            });
             loop {
                 let work = {
                     let mut st = self.lock();
@@ -188,15 +205,22 @@ impl DeviceAllocator {
                     Source::Pool(a) => unsafe { a.free(r.addr, r.size, be.device(), r.stream.raw) },
                 });
                 let mut st = self.lock();
-                match res {
+                let leftover = match res {
                     Ok(()) => {
                         st.freed(&r);
-                        drop(st);
-                        drop(r);
+                        Some(r)
                     }
-                    Err(e) => st.free_failed(r, e.to_string()),
-                }
+                    Err(e) => {
+                        st.free_failed(r, e.to_string());
+                        None
+                    }
+                };
+                drop(st);
+                // The stream and the pool allocator it holds are let go outside the lock (their
+                // `Drop` is user code, or destroys a stream).
+                drop(leftover);
             }
+            Work::Drop(x) => drop(x),
         }
     }
 
@@ -262,7 +286,7 @@ impl DeviceAllocator {
                 st.garbage_collect();
             }
             let id = st.pools[slot.get()].spec.id;
-            let granularity = st.pools[slot.get()].spec.granularity;
+            let align = st.pools[slot.get()].spec.align;
             let source = match &st.pools[slot.get()].spec.raw {
                 Some(a) => Source::Pool(a.clone()),
                 None => Source::Backend,
@@ -274,7 +298,7 @@ impl DeviceAllocator {
                     let keep = (req.keep)();
                     let r = contain("the pool allocator", || match &source {
                         Source::Backend => be.alloc_segment(size, req.stream.raw),
-                        Source::Pool(a) => a.alloc(size, be.device(), req.stream.raw),
+                        Source::Pool(a) => crate::backend::as_source(|| a.alloc(size, be.device(), req.stream.raw)),
                     });
                     st = self.lock();
                     st.growing -= size;
@@ -284,7 +308,7 @@ impl DeviceAllocator {
             };
             match got {
                 Some((Ok(addr), size, keep)) if addr != 0 => {
-                    let misaligned = addr % granularity as u64 != 0;
+                    let misaligned = addr % align as u64 != 0;
                     // The free sets pack addresses into 56 bits; no device hands out higher ones.
                     let too_high = addr.checked_add(size as u64).is_none_or(|end| end > 1 << 56);
                     // The pool may have been released, and its slot taken, while the lock was let go.
@@ -292,7 +316,7 @@ impl DeviceAllocator {
                     let gone = now != slot || st.pools[now.get()].spec.id != id;
                     if misaligned || too_high || gone {
                         let why = if misaligned {
-                            Some(format!("returned {addr:#x}, not aligned to its granularity of {granularity} bytes"))
+                            Some(format!("returned {addr:#x}, not aligned to its granularity of {align} bytes"))
                         } else if too_high {
                             Some(format!("returned {addr:#x}, whose segment ends above 2^56"))
                         } else {
@@ -337,6 +361,9 @@ impl DeviceAllocator {
                 }
             }
             let e = st.oom(be, req.size, slot);
+            if st.set_segments[set.0 as usize] == 0 {
+                st.retire_set(set); // made for this request alone
+            }
             self.unlock(st, true);
             return Err(e);
         }
@@ -374,18 +401,7 @@ impl DeviceAllocator {
     /// Notes that `stream` uses the block; returns whether the stream is new to it. `keep` keeps
     /// the stream alive until the event is recorded at free time.
     pub(crate) fn record_stream(&self, block: BlockIdx, stream: StreamRef, keep: Option<Keep>) -> bool {
-        let mut st = self.lock();
-        let b = st.block(block);
-        if b.state != BlockState::Allocated || stream.key == st.seg(b.seg).stream.key {
-            return false;
-        }
-        st.block_mut(block).has_uses = true;
-        let uses = st.uses.entry(block).or_default();
-        if uses.iter().any(|u| u.stream.key == stream.key) {
-            return false;
-        }
-        uses.push(state::Use { stream, keep });
-        true
+        self.lock().record_use(block, stream, keep)
     }
 
     /// The keep-alive of the stream a block's segment serves.
@@ -413,9 +429,13 @@ impl DeviceAllocator {
         }
     }
 
-    /// The block of a live raw allocation.
-    pub(crate) fn raw_block(&self, ptr: u64) -> Option<BlockIdx> {
-        self.lock().raw.get(&ptr).copied()
+    /// `record_stream` on a live raw allocation, looked up and recorded under one lock (a
+    /// concurrent `free_bytes` cannot slip in between); false if `ptr` is not one.
+    pub(crate) fn record_stream_raw(&self, ptr: u64, stream: StreamRef, keep: Option<Keep>) -> bool {
+        let mut st = self.lock();
+        let Some(&block) = st.raw.get(&ptr) else { return false };
+        st.record_use(block, stream, keep);
+        true
     }
 
     /// Waits for every pending cross-stream free, then gives back every wholly free segment of the
@@ -570,15 +590,31 @@ impl Drop for DeviceAllocator {
         st.release_cached(|_| true);
         drop(st);
         // No other thread can reach this allocator any more: its last work runs here, even if
-        // this drop happens inside another allocator's hook delivery.
-        loop {
-            let work = std::mem::take(&mut self.lock().outbox);
-            if work.is_empty() {
+        // this drop happens inside another allocator's hook delivery. A segment whose free fails
+        // comes back into the cache: one more try, then it is reported (there is no next call to
+        // return the error from) and left to the process.
+        for attempt in 0..2 {
+            loop {
+                let work = std::mem::take(&mut self.lock().outbox);
+                if work.is_empty() {
+                    break;
+                }
+                for w in work {
+                    self.run(w);
+                }
+            }
+            let mut st = self.lock();
+            let left = st.segments.iter().filter(|s| s.live).count();
+            if left == 0 {
                 break;
             }
-            for w in work {
-                self.run(w);
+            if attempt == 1 {
+                let why = st.error.take().map_or_else(String::new, |e| format!(": {e}"));
+                eprintln!("mempool: {left} segment(s) could not be given back when the allocator was dropped{why}");
+                break;
             }
+            st.error = None;
+            st.release_cached(|_| true);
         }
     }
 }

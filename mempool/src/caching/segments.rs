@@ -14,7 +14,8 @@ impl State {
     pub(super) fn segment_size_for(&self, pool: Slot, rounded: usize) -> Option<usize> {
         let spec = &self.pools[pool.get()].spec;
         let size = if spec.no_split { rounded } else { crate::rules::segment_size(rounded) };
-        size.checked_next_multiple_of(spec.granularity)
+        // No block may pass the largest size the free sets hold, so neither may a segment.
+        size.checked_next_multiple_of(spec.granularity).filter(|&s| s <= crate::rules::MAX_BLOCK)
     }
 
     /// Whether `size` more bytes fit under the memory-fraction limit, counting what other threads
@@ -63,6 +64,7 @@ impl State {
             pending: 0,
         });
         self.segments[seg_idx.0 as usize].head = Some(block);
+        self.set_segments[set.0 as usize] += 1;
         self.count_segment(pool, small, size, true, fresh);
         if fresh {
             self.pools[pool.get()].segments += 1;
@@ -84,9 +86,14 @@ impl State {
             let id = self.pools[pool.get()].spec.id;
             self.emit_entry(Action::SegmentFree, id, addr, size, stream.raw);
         }
+        let set = self.block(head).set;
         self.remove_free(head);
         self.free_blocks.push(head);
         self.free_segments.push(seg);
+        self.set_segments[set.0 as usize] -= 1;
+        if self.set_segments[set.0 as usize] == 0 {
+            self.retire_set(set);
+        }
         // The pool keeps counting the segment (and so stays live) until its free is done.
         self.count_segment(pool, small, size, false, true);
         let spec = &self.pools[pool.get()].spec;
@@ -95,7 +102,8 @@ impl State {
             None => Source::Backend,
         };
         self.releasing += size;
-        let r = Released { addr, size, small, slot: pool, pool: spec.id, stream, _keep: keep, source };
+        let pool_name = spec.name.clone();
+        let r = Released { addr, size, small, slot: pool, pool: spec.id, pool_name, stream, _keep: keep, source };
         self.outbox.push(Work::Free(r));
     }
 
@@ -112,9 +120,9 @@ impl State {
     pub(super) fn free_failed(&mut self, r: Released, message: String) {
         self.releasing -= r.size;
         self.error.get_or_insert(match &r.source {
-            Source::Pool(a) => Error::PoolAllocator {
+            Source::Pool(_) => Error::PoolAllocator {
                 pool: r.pool.0,
-                allocator: a.name().to_string(),
+                allocator: r.pool_name.clone(),
                 message: format!("free of segment {:#x} ({} bytes) failed: {message}", r.addr, r.size),
             },
             Source::Backend => Error::Backend {
@@ -122,7 +130,10 @@ impl State {
                 message: format!("{message} (segment {:#x}, {} bytes)", r.addr, r.size),
             },
         });
-        let block = self.insert_segment(r.addr, r.size, (r.slot, r.stream.key, r.small), r.stream, r._keep, false);
+        let Released { addr, size, slot, small, stream, _keep, source, .. } = r;
+        let block = self.insert_segment(addr, size, (slot, stream.key, small), stream, _keep, false);
+        // The segment's pool holds its allocator; this reference goes outside the lock.
+        self.outbox.push(Work::Drop(Box::new(source)));
         self.insert_free(block);
         let seg = self.block(block).seg;
         self.segments[seg.0 as usize].freed_at = self.tick;
@@ -167,18 +178,25 @@ impl State {
         let p = &mut self.pools[slot.get()];
         if slot != Slot::DEFAULT && p.live && p.released && p.segments == 0 {
             p.live = false;
-            p.spec.raw = None;
-            // Its free sets are empty: keep them for reuse, and forget whose they were.
-            let idle = &mut self.idle_sets;
-            self.set_index.retain(|k, i| {
-                let keep = k.0 != slot;
-                if !keep {
-                    idle.push(*i);
-                }
-                keep
-            });
-            self.last_set = None;
+            // Its allocator's `Drop` is user code: let go of it outside the lock.
+            if let Some(raw) = p.spec.raw.take() {
+                self.outbox.push(Work::Drop(Box::new(raw)));
+            }
+            // Sets it made but never filled (a request that found no memory).
+            let empty: Vec<_> = self.set_index.iter().filter(|(k, _)| k.0 == slot).map(|(_, i)| *i).collect();
+            for set in empty {
+                self.retire_set(set);
+            }
         }
+    }
+
+    /// A free set with no segment left (its pool's or stream's last one went back) is empty:
+    /// kept for reuse, and forgotten by its (pool, stream), so that streams and pools that come
+    /// and go do not grow the table.
+    pub(super) fn retire_set(&mut self, set: super::state::SetIdx) {
+        self.set_index.retain(|_, i| *i != set);
+        self.idle_sets.push(set);
+        self.last_set = None;
     }
 
     /// A free block of a `use_on_oom` pool for a default-pool request (it stays in its pool).
@@ -239,6 +257,8 @@ impl State {
     /// limit, gives back wholly free segments that have been free at least as long as the average
     /// one, oldest first, until reserved memory is back under the threshold.
     pub(super) fn garbage_collect(&mut self) {
+        // As `empty_cache`: the default pools and released pools; live user pools keep their
+        // cache (they may be registered with NCCL, and have their own `empty_cache`).
         let Some(limit) = self.limit else { return };
         let threshold = (self.config.garbage_collection_threshold * limit as f64) as usize;
         let reserved = |st: &State| st.stats.reserved_bytes.current() as usize;
@@ -247,6 +267,10 @@ impl State {
         }
         let mut free: Vec<(u64, u32)> = (0..self.segments.len())
             .filter(|&s| self.wholly_free(s))
+            .filter(|&s| {
+                let p = &self.pools[self.segments[s].pool.get()];
+                p.spec.id == PoolId::DEFAULT || p.released
+            })
             .map(|s| (self.segments[s].freed_at, s as u32))
             .collect();
         if free.is_empty() {

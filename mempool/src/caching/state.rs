@@ -96,7 +96,11 @@ pub(crate) struct PoolSpec {
     pub(crate) raw: Option<Arc<dyn RawAllocator>>,
     pub(crate) use_on_oom: bool,
     pub(crate) no_split: bool,
+    /// Segment sizes are multiples of this.
     pub(crate) granularity: usize,
+    /// Segment addresses must be multiples of this: what the segment source promises (its own
+    /// `granularity`, 512 for the backend), not what the options ask of sizes.
+    pub(crate) align: usize,
     pub(crate) name: String,
 }
 
@@ -177,9 +181,20 @@ pub(super) enum Source {
 
 impl std::fmt::Debug for Source {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not `a.name()`: a `Debug` may run under the lock, and `name` is user code.
         match self {
             Source::Backend => f.write_str("Backend"),
-            Source::Pool(a) => write!(f, "Pool({})", a.name()),
+            Source::Pool(_) => f.write_str("Pool"),
+        }
+    }
+}
+
+impl std::fmt::Debug for Work {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Work::Event(e) => write!(f, "Event({e})"),
+            Work::Free(r) => write!(f, "Free({:#x}, {})", r.addr, r.size),
+            Work::Drop(_) => f.write_str("Drop"),
         }
     }
 }
@@ -193,6 +208,8 @@ pub(super) struct Released {
     pub(super) small: bool,
     pub(super) slot: Slot,
     pub(super) pool: PoolId,
+    /// The pool allocator's name as the pool recorded it (user code is not called under the lock).
+    pub(super) pool_name: String,
     pub(super) stream: StreamRef,
     /// Held for the stream's sake until the segment is given back.
     pub(super) _keep: Option<Keep>,
@@ -200,12 +217,13 @@ pub(super) struct Released {
 }
 
 /// Work for outside the lock, in the order the state produced it.
-#[derive(Debug)]
 pub(super) enum Work {
     /// Deliver an event to the history and the hooks.
     Event(TraceEntry),
     /// Give a segment back.
     Free(Released),
+    /// Let go of something whose `Drop` is user code (a retired pool's allocator).
+    Drop(Box<dyn std::any::Any + Send>),
 }
 
 /// Everything behind the allocator's lock.
@@ -218,6 +236,8 @@ pub(super) struct State {
     pub(super) segments: Vec<Segment>,
     pub(super) free_segments: Vec<SegIdx>,
     pub(super) sets: Vec<FreeSet>,
+    /// Live segments per free set (a set whose count falls to 0 is retired).
+    pub(super) set_segments: Vec<u32>,
     /// Sets of retired pools (empty), for reuse: short-lived pools must not grow the table.
     pub(super) idle_sets: Vec<SetIdx>,
     pub(super) set_index: IdMap<SetKey, SetIdx>,
@@ -259,6 +279,7 @@ impl State {
             segments: Vec::new(),
             free_segments: Vec::new(),
             sets: Vec::new(),
+            set_segments: Vec::new(),
             idle_sets: Vec::new(),
             set_index: IdMap::default(),
             last_set: None,
@@ -345,6 +366,7 @@ impl State {
                     Some(i) => i,
                     None => {
                         self.sets.push(FreeSet::new());
+                        self.set_segments.push(0);
                         SetIdx((self.sets.len() - 1) as u32)
                     }
                 };
