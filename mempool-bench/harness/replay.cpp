@@ -2,18 +2,17 @@
 //
 // The `replay` workload of mempool-bench (mempool-bench/src/main.rs, src/playback.rs), run through
 // the allocators a user would pick instead, on device 0:
-//   torch       PyTorch's CUDACachingAllocator: c10::cuda::CUDACachingAllocator::raw_alloc /
-//               raw_delete, each allocation with its recorded stream current (CUDAStreamGuard):
-//               stream value 0 is the default stream, each other distinct value a stream of its
-//               own from getStreamFromPool (created with cudaStreamCreateWithFlags and wrapped by
-//               getStreamFromExternal once the pool has none left that is not given out already);
-//               peaks from getDeviceStats(0), reset by resetPeakStats(0) before each rep.
+//   torch       PyTorch's CUDACachingAllocator: c10::cuda::CUDACachingAllocator::
+//               raw_alloc_with_stream / raw_delete, each allocation on its recorded stream:
+//               stream value 0 is the default stream, each other distinct value a CUDA stream of
+//               its own (cudaStreamCreateWithFlags); peaks from getDeviceStats(0), reset by
+//               resetPeakStats(0) before each rep. (No c10 stream objects or guards: they need
+//               hooks that libtorch_cuda registers, which a program linking c10 alone lacks.)
 //               `--torch-name` renames the rows (compare.sh names the run with
 //               PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True `torch_expand`).
 //   cuda_async  CUDA's stream-ordered pool: cudaMallocAsync on the allocation's stream and
 //               cudaFreeAsync on that same stream, the device's default pool with its release
-//               threshold at UINT64_MAX; stream value 0 is one non-blocking stream of its own (as in
-//               the latency harness), each other value the same CUDA stream torch used for it. Peaks
+//               threshold at UINT64_MAX; each stream value the same CUDA stream torch used for it. Peaks
 //               from the pool's cudaMemPoolAttrUsedMemHigh / cudaMemPoolAttrReservedMemHigh, reset
 //               before each rep.
 //
@@ -28,8 +27,6 @@
 //   <system> <trace-file-name> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -77,30 +74,17 @@ double ns_per_event(Clock::time_point t0, size_t events) {
 }
 
 // The streams of a replay, index k standing for a trace's k-th distinct stream value (index 0:
-// value 0). Grown as traces need more; a later trace's k-th value gets the same stream.
+// value 0, the default stream). Grown as traces need more; a later trace's k-th value gets the
+// same stream. Plain CUDA streams, passed to each allocator explicitly: c10's stream objects and
+// guards need the hooks libtorch_cuda registers, which a program linking c10 alone lacks.
 struct Streams {
-  std::vector<c10::cuda::CUDAStream> torch{c10::cuda::getDefaultCUDAStream(0)};
-  std::vector<cudaStream_t> async;
-
-  Streams() {
-    cudaStream_t s;
-    check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    async.push_back(s);
-  }
+  std::vector<cudaStream_t> all{nullptr};
 
   void grow(size_t n) {
-    while (torch.size() < n) {
-      c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(false, 0);
-      // The pool hands its streams out round robin: once they are all given out, a stream of our own.
-      for (const auto& t : torch)
-        if (t.stream() == s.stream()) {
-          cudaStream_t own;
-          check(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-          s = c10::cuda::getStreamFromExternal(own, 0);
-          break;
-        }
-      torch.push_back(s);
-      async.push_back(s.stream());
+    while (all.size() < n) {
+      cudaStream_t own;
+      check(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+      all.push_back(own);
     }
   }
 };
@@ -109,22 +93,12 @@ Rep replay_torch(const trace::Plan& p, const Streams& streams) {
   std::vector<void*> live(p.slots, nullptr);
   alloc::resetPeakStats(0);
   auto t0 = Clock::now();
-  {
-    // The guard stays while allocations stay on its stream: one switch per change of stream.
-    std::optional<c10::cuda::CUDAStreamGuard> guard;
-    uint32_t current = UINT32_MAX;
-    for (const auto& s : p.steps) {
-      if (s.alloc) {
-        if (s.stream != current) {
-          if (guard) guard->reset_stream(streams.torch[s.stream]);
-          else guard.emplace(streams.torch[s.stream]);
-          current = s.stream;
-        }
-        live[s.slot] = alloc::raw_alloc(s.bytes);
-      } else {
-        alloc::raw_delete(live[s.slot]);
-        live[s.slot] = nullptr;
-      }
+  for (const auto& s : p.steps) {
+    if (s.alloc) {
+      live[s.slot] = alloc::raw_alloc_with_stream(s.bytes, streams.all[s.stream]);
+    } else {
+      alloc::raw_delete(live[s.slot]);
+      live[s.slot] = nullptr;
     }
   }
   Rep r{p.steps.size(), ns_per_event(t0, p.steps.size()), 0, 0};
@@ -147,11 +121,11 @@ Rep replay_async(const trace::Plan& p, const Streams& streams, cudaMemPool_t poo
   for (size_t i = 0; i < p.steps.size(); i++) {
     const auto& s = p.steps[i];
     if (s.alloc) {
-      cudaError_t e = cudaMallocAsync(&live[s.slot], s.bytes, streams.async[s.stream]);
+      cudaError_t e = cudaMallocAsync(&live[s.slot], s.bytes, streams.all[s.stream]);
       if (e != cudaSuccess) check(e, "event " + std::to_string(i + 1) + ": cudaMallocAsync(" + std::to_string(s.bytes) + ")");
       on[s.slot] = s.stream;
     } else {
-      cudaError_t e = cudaFreeAsync(live[s.slot], streams.async[on[s.slot]]);
+      cudaError_t e = cudaFreeAsync(live[s.slot], streams.all[on[s.slot]]);
       if (e != cudaSuccess) check(e, "event " + std::to_string(i + 1) + ": cudaFreeAsync");
       live[s.slot] = nullptr;
     }
@@ -163,7 +137,7 @@ Rep replay_async(const trace::Plan& p, const Streams& streams, cudaMemPool_t poo
   r.peak_allocated = static_cast<long long>(used);
   r.peak_reserved = static_cast<long long>(reserved);
   for (size_t k = 0; k < live.size(); k++)
-    if (live[k]) check(cudaFreeAsync(live[k], streams.async[on[k]]), "cudaFreeAsync");
+    if (live[k]) check(cudaFreeAsync(live[k], streams.all[on[k]]), "cudaFreeAsync");
   check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   return r;
 }
@@ -214,8 +188,8 @@ int main(int argc, char** argv) {
     if (want("torch")) alloc::raw_delete(alloc::raw_alloc(1));
     if (want("cuda_async")) {
       void* p = nullptr;
-      check(cudaMallocAsync(&p, 1, streams.async[0]), "cudaMallocAsync");
-      check(cudaFreeAsync(p, streams.async[0]), "cudaFreeAsync");
+      check(cudaMallocAsync(&p, 1, streams.all[0]), "cudaMallocAsync");
+      check(cudaFreeAsync(p, streams.all[0]), "cudaFreeAsync");
     }
     for (size_t t = 0; t < plans.size(); t++) {
       const trace::Plan& p = plans[t];
