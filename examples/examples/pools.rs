@@ -11,36 +11,27 @@
 
 use std::alloc::Layout;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{result, CudaContext};
-use mempool::{Allocator, BackendError, Kind, MemPool, PoolOptions, RawAllocator, StreamId};
+use mempool::{Allocator, BackendError, Counting, Kind, MemPool, PoolOptions, RawAllocator, StreamId};
 
-/// Where the counting allocator gets memory.
-#[derive(Clone)]
+/// Where the pool's segments come from: host memory or `cuMemAlloc`.
 enum Source {
     Host,
     Cuda(Arc<CudaContext>),
 }
 
-/// A `RawAllocator` that counts what it hands out and what comes back.
-#[derive(Clone)]
-struct Counting {
-    source: Source,
-    allocated: Arc<AtomicUsize>,
-    freed: Arc<AtomicUsize>,
-}
-
 // SAFETY: segments are fresh `std::alloc` (host) or `cuMemAlloc` (CUDA) allocations of exactly
-// `size` bytes, 4 KiB / 256 B aligned, owned by the caller until `free` releases them once.
-unsafe impl RawAllocator for Counting {
+// `size` bytes, 4 KiB / 256 B aligned, owned by the caller until `free` releases them once; a
+// failed free returns before anything was freed.
+unsafe impl RawAllocator for Source {
     fn name(&self) -> &str {
         "counting"
     }
 
     fn alloc(&self, size: usize, _device: usize, _stream: StreamId) -> Result<u64, BackendError> {
-        let p = match &self.source {
+        let p = match self {
             Source::Host => {
                 let layout = Layout::from_size_align(size, 4096).map_err(|e| BackendError::Failed(e.to_string()))?;
                 // SAFETY: the size is non-zero (the caching allocator never asks for empty segments).
@@ -52,12 +43,11 @@ unsafe impl RawAllocator for Counting {
                 unsafe { result::malloc_sync(size) }.map_err(|e| BackendError::Failed(e.to_string()))?
             }
         };
-        self.allocated.fetch_add(size, Ordering::Relaxed);
         Ok(p)
     }
 
     unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
-        match &self.source {
+        match self {
             Source::Host => {
                 let layout = Layout::from_size_align(size, 4096).map_err(|e| BackendError::Failed(e.to_string()))?;
                 // SAFETY: `ptr` came from `std::alloc::alloc` with this layout and is freed once.
@@ -69,7 +59,6 @@ unsafe impl RawAllocator for Counting {
                 unsafe { result::free_sync(ptr) }.map_err(|e| BackendError::Failed(e.to_string()))?;
             }
         }
-        self.freed.fetch_add(size, Ordering::Relaxed);
         Ok(())
     }
 }
@@ -86,8 +75,9 @@ impl Checks {
 }
 
 fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode> {
-    let counting = Counting { source, allocated: Arc::default(), freed: Arc::default() };
-    let pool = MemPool::on(&alloc, PoolOptions::new().allocator(counting.clone())).unwrap();
+    // The library's counting adaptor around the source: the pool's segment calls, counted.
+    let counting = Counting::new(source);
+    let pool = MemPool::on(&alloc, PoolOptions::new().shared_allocator(counting.clone())).unwrap();
     let device_pool = MemPool::on(&alloc, PoolOptions::new()).unwrap();
     let mut c = Checks(Vec::new());
     let in_pool = |p: &MemPool<K>| p.memory_stats().allocation.current;
@@ -137,19 +127,13 @@ fn run<K: Kind>(alloc: Allocator<K>, source: Source) -> mempool::Result<ExitCode
     let routed = (pool.memory_stats().allocation.allocated + device_pool.memory_stats().allocation.allocated) as usize;
     drop(b);
     drop(device_pool);
-    let before = counting.freed.load(Ordering::Relaxed);
+    let before = counting.counts().freed_bytes;
     drop(pool);
-    c.check(counting.freed.load(Ordering::Relaxed) > before, "free segments went back at once through its own free");
-    c.check(
-        counting.freed.load(Ordering::Relaxed) < counting.allocated.load(Ordering::Relaxed),
-        "the live buffer's segment stayed",
-    );
+    c.check(counting.counts().freed_bytes > before, "free segments went back at once through its own free");
+    c.check(counting.counts().freed_bytes < counting.counts().allocated_bytes, "the live buffer's segment stayed");
     drop(a);
-    let released = counting.freed.load(Ordering::Relaxed);
-    c.check(
-        released == counting.allocated.load(Ordering::Relaxed),
-        "every byte went back through the counting allocator",
-    );
+    let released = counting.counts().freed_bytes;
+    c.check(released == counting.counts().allocated_bytes, "every byte went back through the counting allocator");
     let total = alloc.memory_stats().allocation.all.allocated as usize;
     let default = total - routed;
     drop(plain);

@@ -46,6 +46,8 @@ pub mod buffer;
 #[allow(unsafe_code)] // backend calls with the addresses, streams and events the cache holds
 mod caching;
 pub mod config;
+#[allow(unsafe_code)] // `unsafe impl RawAllocator` by forwarding
+mod counting;
 #[allow(unsafe_code)] // `unsafe trait AnyBitPattern` and its implementations
 mod elem;
 pub mod error;
@@ -64,6 +66,7 @@ pub use allocator::{Allocator, Cuda, Host, Kind, Sim};
 pub use backend::{sim, Backend, BackendError, RawAllocator};
 pub use buffer::Buffer;
 pub use config::Config;
+pub use counting::{AllocatorCounts, Counting};
 pub use elem::AnyBitPattern;
 pub use error::{Error, OomReport, Result};
 pub use id::{AllocatorId, EventId, PoolId, StreamId};

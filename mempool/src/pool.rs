@@ -64,7 +64,8 @@ impl PoolOptions {
         self
     }
 
-    /// Segments come from an allocator already shared elsewhere.
+    /// Segments come from an allocator already shared elsewhere (a [`Counting`](crate::Counting)
+    /// adaptor whose counts you read, say).
     pub fn shared_allocator(mut self, a: Arc<dyn RawAllocator>) -> PoolOptions {
         self.allocator = Some(a);
         self

@@ -2,42 +2,32 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{result, CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
-use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, StreamId};
+use mempool::{Allocator, BackendError, Counting, MemPool, PoolOptions, RawAllocator, StreamId};
 
-/// `cuMemAlloc`/`cuMemFree`, counted.
-#[derive(Clone)]
-struct CountingCuda {
+/// `cuMemAlloc`/`cuMemFree` (counted by the library's `Counting` adaptor).
+struct CuMemAlloc {
     ctx: Arc<CudaContext>,
-    allocated: Arc<AtomicUsize>,
-    freed: Arc<AtomicUsize>,
-    calls: Arc<AtomicUsize>,
 }
 
 // SAFETY: segments are `cuMemAlloc` allocations of exactly `size` bytes, owned by the caller
-// until `free` gives them to `cuMemFree` once.
-unsafe impl RawAllocator for CountingCuda {
+// until `free` gives them to `cuMemFree` once; a failed free returns before anything was freed.
+unsafe impl RawAllocator for CuMemAlloc {
     fn name(&self) -> &str {
         "counting-cuMemAlloc"
     }
     fn alloc(&self, size: usize, _device: usize, _stream: StreamId) -> Result<u64, BackendError> {
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
         // SAFETY: the context is current; the caller owns the segment until `free`.
-        let p = unsafe { result::malloc_sync(size) }.map_err(|e| BackendError::Failed(e.to_string()))?;
-        self.allocated.fetch_add(size, Ordering::Relaxed);
-        self.calls.fetch_add(1, Ordering::Relaxed);
-        Ok(p)
+        unsafe { result::malloc_sync(size) }.map_err(|e| BackendError::Failed(e.to_string()))
     }
-    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+    unsafe fn free(&self, ptr: u64, _size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
         // SAFETY: `ptr` came from `alloc` above and is freed once.
-        unsafe { result::free_sync(ptr) }.map_err(|e| BackendError::Failed(e.to_string()))?;
-        self.freed.fetch_add(size, Ordering::Relaxed);
-        Ok(())
+        unsafe { result::free_sync(ptr) }.map_err(|e| BackendError::Failed(e.to_string()))
     }
 }
 
@@ -47,9 +37,8 @@ fn pool_over_cumemalloc_in_a_scope_with_kernels_and_release() {
     let a = Allocator::cuda(0).unwrap();
     let ctx = a.context().clone();
     let stream = a.current_stream();
-    let counting =
-        CountingCuda { ctx: ctx.clone(), allocated: Arc::default(), freed: Arc::default(), calls: Arc::default() };
-    let pool = MemPool::on(&a, PoolOptions::new().allocator(counting.clone())).unwrap();
+    let counting = Counting::new(CuMemAlloc { ctx: ctx.clone() });
+    let pool = MemPool::on(&a, PoolOptions::new().shared_allocator(counting.clone())).unwrap();
     let add_one = ctx.load_module(Ptx::from_src(common::ptx::KERNELS)).unwrap().load_function("add_one").unwrap();
     let n: u32 = 3 << 20;
     let (mut x, y) = {
@@ -58,7 +47,7 @@ fn pool_over_cumemalloc_in_a_scope_with_kernels_and_release() {
     };
     let outside = a.alloc::<f32>(1000).unwrap();
     assert_eq!(pool.memory_stats().allocation.current, 2);
-    assert!(counting.calls.load(Ordering::Relaxed) >= 1);
+    assert!(counting.counts().allocs as usize >= 1);
     let snap = pool.snapshot();
     assert!(snap.segments.iter().all(|s| s.pool == pool.id()));
     assert!(!snap.segments.iter().any(|s| s.address == outside.device_ptr_raw()));
@@ -75,13 +64,9 @@ fn pool_over_cumemalloc_in_a_scope_with_kernels_and_release() {
     stream.synchronize().unwrap();
     drop(y);
     drop(pool); // x still lives: its segment stays until x is dropped
-    let allocated = counting.allocated.load(Ordering::Relaxed);
-    assert!(counting.freed.load(Ordering::Relaxed) < allocated, "a live buffer's segment was freed");
+    let allocated = counting.counts().allocated_bytes;
+    assert!(counting.counts().freed_bytes < allocated, "a live buffer's segment was freed");
     drop(x);
-    assert_eq!(
-        counting.freed.load(Ordering::Relaxed),
-        allocated,
-        "not every byte went back through the pool's allocator"
-    );
+    assert_eq!(counting.counts().freed_bytes, allocated, "not every byte went back through the pool's allocator");
     drop(outside);
 }

@@ -10,7 +10,7 @@ const LAYERS: &[&[&str]] = &[
     &["id", "format", "rules", "elem"],
     &["error"],
     &["config", "backend"],
-    &["stats", "trace"],
+    &["stats", "trace", "counting"],
     &["snapshot"],
     &["caching"],
     &["stream"],
