@@ -11,50 +11,20 @@ fn iters() -> usize {
     std::env::var("MEMPOOL_FUZZ_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000)
 }
 
+#[path = "../../mempool/tests/common/mutate.rs"]
+mod mutate;
+use mutate::{mutate, random_from};
+
 /// xorshift64, as in the anchors' workloads.
 struct Rng(u64);
 
-impl Rng {
+impl mutate::Below for Rng {
     fn below(&mut self, n: u64) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
         self.0 % n
     }
-}
-
-/// Up to `max_len` pieces picked at random, joined.
-fn random_from(r: &mut Rng, pieces: &[&str], max_len: u64) -> String {
-    (0..r.below(max_len)).map(|_| pieces[r.below(pieces.len() as u64) as usize]).collect()
-}
-
-/// `s` with one to four byte edits: a byte removed, inserted or bit-flipped, or a range doubled.
-fn mutate(r: &mut Rng, s: &str) -> String {
-    let mut b = s.as_bytes().to_vec();
-    for _ in 0..1 + r.below(4) {
-        match r.below(4) {
-            0 if !b.is_empty() => {
-                let i = r.below(b.len() as u64) as usize;
-                b.remove(i);
-            }
-            1 => {
-                let i = r.below(b.len() as u64 + 1) as usize;
-                b.insert(i, r.below(256) as u8);
-            }
-            2 if !b.is_empty() => {
-                let i = r.below(b.len() as u64) as usize;
-                b[i] ^= 1 << r.below(8);
-            }
-            _ => {
-                let i = r.below(b.len() as u64 + 1) as usize;
-                let j = r.below(b.len() as u64 + 1) as usize;
-                let (i, j) = (i.min(j), i.max(j));
-                let dup = b[i..j].to_vec();
-                b.splice(i..i, dup);
-            }
-        }
-    }
-    String::from_utf8_lossy(&b).into_owned()
 }
 
 #[test]

@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::mutate::{mutate, random_from};
 use common::Rng;
 use mempool::config::Config;
 
@@ -46,38 +47,6 @@ const CONFIG_PIECES: &[&str] = &[
     "::",
     ",,",
 ];
-
-fn random_from(r: &mut Rng, pieces: &[&str], max_len: u64) -> String {
-    (0..r.below(max_len)).map(|_| pieces[r.below(pieces.len() as u64) as usize]).collect()
-}
-
-fn mutate(r: &mut Rng, s: &str) -> String {
-    let mut b = s.as_bytes().to_vec();
-    for _ in 0..1 + r.below(4) {
-        match r.below(4) {
-            0 if !b.is_empty() => {
-                let i = r.below(b.len() as u64) as usize;
-                b.remove(i);
-            }
-            1 => {
-                let i = r.below(b.len() as u64 + 1) as usize;
-                b.insert(i, r.next() as u8);
-            }
-            2 if !b.is_empty() => {
-                let i = r.below(b.len() as u64) as usize;
-                b[i] ^= 1 << r.below(8);
-            }
-            _ => {
-                let i = r.below(b.len() as u64 + 1) as usize;
-                let j = r.below(b.len() as u64 + 1) as usize;
-                let (i, j) = (i.min(j), i.max(j));
-                let dup = b[i..j].to_vec();
-                b.splice(i..i, dup);
-            }
-        }
-    }
-    String::from_utf8_lossy(&b).into_owned()
-}
 
 #[test]
 fn config_parser_never_panics_and_names_the_problem() {

@@ -1,6 +1,7 @@
 //! Shared checks for the sim-backed tests, and the GPU tests' kernels.
 #![allow(dead_code)]
 
+pub(crate) mod mutate;
 pub(crate) mod ptx;
 
 use mempool::sim::SimDevice;
@@ -158,5 +159,11 @@ pub(crate) fn check_pool<K: Kind>(pool: &MemPool<K>) {
     for st in [&s.segment, &s.reserved_bytes, &s.allocation, &s.allocated_bytes, &s.requested_bytes] {
         assert!(st.peak >= st.current);
         assert_eq!(st.allocated as i64 - st.freed as i64, st.current);
+    }
+}
+
+impl mutate::Below for Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        Rng::below(self, n)
     }
 }
