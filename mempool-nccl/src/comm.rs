@@ -248,8 +248,10 @@ impl Communicator {
         self.call("ncclAllReduce", stream, |c, st| {
             // SAFETY: both buffers are live device memory of this communicator's device holding at
             // least `n` elements of `T` (checked above). NCCL queues its work on `st`, the stream
-            // their pointers were taken for: the guards `_s`/`_r` record that use when they drop
-            // after this call, so neither memory is freed or reused before the work is done.
+            // their pointers were taken for: on the buffers' own stream, later uses and reuse are
+            // ordered after it by that stream; on another stream, the guards `_s`/`_r` wait for
+            // the work when they drop after this call. Either way neither memory is freed or
+            // reused before the work is done.
             unsafe { result::all_reduce(s as *const c_void, r as *mut c_void, n, T::TYPE, op.raw(), c, st) }.map(drop)
         })
     }
@@ -286,7 +288,7 @@ impl Communicator {
         let (r, _r) = recv.device_ptr_mut(stream);
         self.call("ncclReduceScatter", stream, |c, st| {
             // SAFETY: `send` holds world*n and `recv` n elements of this device (checked above);
-            // their use on `st` is recorded as in `all_reduce`.
+            // their use on `st` is ordered as in `all_reduce`.
             unsafe { result::reduce_scatter(s as *const c_void, r as *mut c_void, n, T::TYPE, op.raw(), c, st) }
                 .map(drop)
         })
@@ -306,7 +308,7 @@ impl Communicator {
         let (r, _r) = recv.device_ptr_mut(stream);
         self.call("ncclAllGather", stream, |c, st| {
             // SAFETY: `send` holds n and `recv` world*n elements of this device (checked above);
-            // their use on `st` is recorded as in `all_reduce`.
+            // their use on `st` is ordered as in `all_reduce`.
             unsafe { result::all_gather(s as *const c_void, r as *mut c_void, n, T::TYPE, c, st) }.map(drop)
         })
     }
@@ -324,7 +326,7 @@ impl Communicator {
         let (p, _p) = buf.device_ptr_mut(stream);
         self.call("ncclBroadcast", stream, |c, st| {
             // SAFETY: `buf` holds n elements of this device; root is a valid rank; the use on `st`
-            // is recorded as in `all_reduce`.
+            // is ordered as in `all_reduce`.
             unsafe { result::broadcast(p as *const c_void, p as *mut c_void, n, T::TYPE, root as i32, c, st) }.map(drop)
         })
     }
@@ -337,7 +339,7 @@ impl Communicator {
         let (p, _p) = buf.device_ptr(stream);
         self.call("ncclSend", stream, |c, st| {
             // SAFETY: `buf` holds n elements of this device; peer is a valid rank; the use on `st`
-            // is recorded as in `all_reduce`.
+            // is ordered as in `all_reduce`.
             unsafe { result::send(p as *const c_void, n, T::TYPE, peer as i32, c, st) }.map(drop)
         })
     }
@@ -350,7 +352,7 @@ impl Communicator {
         let (p, _p) = buf.device_ptr_mut(stream);
         self.call("ncclRecv", stream, |c, st| {
             // SAFETY: `buf` holds n elements of this device; peer is a valid rank; the use on `st`
-            // is recorded as in `all_reduce`.
+            // is ordered as in `all_reduce`.
             unsafe { result::recv(p as *mut c_void, n, T::TYPE, peer as i32, c, st) }.map(drop)
         })
     }
