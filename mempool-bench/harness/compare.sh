@@ -150,6 +150,37 @@ self_test() {
     fails=$((fails + 1))
     echo "FAIL $1"
   }
+  # expect_line NAME WANT_RC LINE CMD...: CMD's exit status, and LINE among its output lines.
+  expect_line() {
+    local name=$1 want=$2 line=$3
+    shift 3
+    out=$("$@" 2>&1)
+    rc=$?
+    if ((rc != want)); then
+      bad "$name: exit status $rc, expected $want"
+      printf '%s\n' "$out" | sed 's/^/     /'
+    elif ! grep -qxF -- "$line" <<< "$out"; then
+      bad "$name: no line \"$line\" in its output"
+      printf '%s\n' "$out" | sed 's/^/     /'
+    else
+      ok "$name"
+    fi
+  }
+  # allreduce_ratios: reg_x of the canned tables worked out here with awk (mempool's reg_busbw, the
+  # 5th field of a table row, over torch's reg_busbw, the 11th of its line), against join.py's column.
+  allreduce_ratios() {
+    local want got
+    want=$(awk '$2 == "|" && $1 ~ /^[0-9]+$/ { m[$1] = $5 }
+      $1 == "torch" && $2 == "allreduce" { t[$3] = $11 }
+      END { for (k in t) if (k in m) printf "%d %.2fx\n", k, m[k] / t[k] }' allreduce_mempool.txt allreduce_torch.txt | sort -n)
+    got=$("$PY" "$here/join.py" allreduce allreduce_mempool.txt allreduce_torch.txt | awk '$1 ~ /^[0-9]+$/ { print $1, $NF }')
+    if [[ -n $want && $want == "$got" ]]; then
+      ok "join.py allreduce: reg_x = mempool reg busbw / torch reg busbw at every size ($(wc -l <<< "$want") sizes)"
+    else
+      bad "join.py allreduce: reg_x differs from mempool reg busbw / torch reg busbw"
+      diff <(printf '%s\n' "$want") <(printf '%s\n' "$got") | sed 's/^/     /'
+    fi
+  }
   # expect NAME WANT_RC EXPECTED_FILE CMD...: CMD's exit status and output (stdout + stderr).
   expect() {
     local name=$1 want=$2 file=$3
@@ -182,6 +213,28 @@ self_test() {
     "$PY" "$here/join.py" latency latency_mempool.txt latency_harness.txt latency_harness.txt
   expect "join.py latency: no mempool rows is an error" 1 "" \
     "$PY" "$here/join.py" latency /dev/null latency_harness.txt
+  expect "join.py allreduce: canned tables, ratios as expected" 0 allreduce.expected \
+    "$PY" "$here/join.py" allreduce allreduce_mempool.txt allreduce_torch.txt
+  allreduce_ratios
+  expect "join.py allreduce: a size one side lacks is an error" 1 allreduce_missing.expected \
+    "$PY" "$here/join.py" allreduce allreduce_mempool_all.txt allreduce_torch.txt
+  expect "join.py allreduce: no mempool rows is an error" 1 "" \
+    "$PY" "$here/join.py" allreduce /dev/null allreduce_torch.txt
+  expect "join.py allreduce: a size seen twice is an error" 2 "" \
+    "$PY" "$here/join.py" allreduce allreduce_mempool.txt <(cat allreduce_torch.txt allreduce_torch.txt)
+  sed 's/^torch allreduce 16 \(.*\) reg_us [^ ]* reg_busbw [^ ]*$/torch allreduce 16 \1 reg_us - reg_busbw -/' allreduce_torch.txt > "$tmp/ar_nopool.txt"
+  expect_line "join.py allreduce: torch without its registered-pool figure is an error" 1 \
+    "! no torch registered-pool figure at some sizes (torch_allreduce.py's note says why)" \
+    "$PY" "$here/join.py" allreduce allreduce_mempool.txt "$tmp/ar_nopool.txt"
+  sed 's/^# torch allreduce: world 2,/# torch allreduce: world 4,/' allreduce_torch.txt > "$tmp/ar_world4.txt"
+  expect_line "join.py allreduce: sides on different numbers of GPUs is an error" 1 \
+    "! the sides ran on different numbers of GPUs: mempool 2, torch 4" \
+    "$PY" "$here/join.py" allreduce allreduce_mempool.txt "$tmp/ar_world4.txt"
+  for f in join.py torch_allreduce.py; do
+    expect "python compiles $f" 0 "" "$PY" -c 'import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True)' "$here/$f" "$tmp/$f.pyc"
+  done
+  expect "torch_allreduce.py: --min-mb above --max-mb is a usage error" 2 "" \
+    "$PY" "$here/torch_allreduce.py" --min-mb 4 --max-mb 2
 
   local cxx=${CXX:-g++}
   if ! command -v "$cxx" > /dev/null; then
