@@ -7,12 +7,19 @@
     join.py replay FILE...                       replay lines of every system, mempool's included:
                                                  `<system> <trace> rep=<r> <cold|warm> events=<n>
                                                  ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`
+    join.py allreduce MEMPOOL_FILE TORCH_FILE    the `allreduce` example's table (`MiB | reg_us reg_algbw
+                                                 reg_busbw | win_us win_busbw | def_us def_algbw
+                                                 def_busbw`) against torch_allreduce.py's lines
+                                                 (`torch allreduce <MiB> default_us <x> default_busbw
+                                                 <y> reg_us <x> reg_busbw <y>`)
 
 speedup = other_ns / mempool_ns (above 1: mempool is faster); peak ratios = other / mempool
-(above 1: the other holds more). Lines of any other shape (`#` notes, mempool-bench's `pair-raw`
+(above 1: the other holds more); all-reduce: reg_x = mempool's registered busbw / torch's
+registered-pool busbw (above 1: mempool is faster). Lines of any other shape (`#` notes, mempool-bench's `pair-raw`
 rows, messages) are skipped; a row seen twice, or a row of the right shape with a field that is not
 a number, is an error. Exit status 1 when the systems replayed different event counts of a trace
-or when a row has no mempool row to compare with; 2 on bad input.
+or when a row has no mempool row to compare with, and when the all-reduce sides do not cover the
+same sizes, lack torch's registered-pool figures or ran on different numbers of GPUs; 2 on bad input.
 Standard library only (python3), so it runs where compare.sh runs.
 """
 import re
@@ -170,12 +177,75 @@ def replay(files):
     return status
 
 
+def busbw(where, word):
+    """A bus bandwidth figure, or None for `-` (a column that was not measured)."""
+    return None if word == "-" else number(where, word)
+
+
+def fmt_gbs(x):
+    return "-" if x is None else "%.1f" % x
+
+
+def allreduce(mempool_file, torch_file):
+    mine, theirs, world, about = {}, {}, {}, {}
+    for where, w in rows_of(mempool_file):
+        if w[:2] == ["#", "allreduce:"] and len(w) > 2:
+            world["mempool"] = number(where, w[2], int)
+            about["mempool"] = " ".join(w[2:])
+        elif len(w) > 1 and w[1] == "|" and w[0].isdigit():
+            # MiB | reg_us reg_algbw reg_busbw | win_us win_busbw | def_us def_algbw def_busbw
+            if len(w) != 12 or (w[5], w[8]) != ("|", "|"):
+                raise BadInput("%s: not a row of the allreduce example's table: %s" % (where, " ".join(w)))
+            put(mine, (number(where, w[0], int),), (busbw(where, w[4]), busbw(where, w[11]), busbw(where, w[7])), where)
+    for where, w in rows_of(torch_file):
+        if w[:3] == ["#", "torch", "allreduce:"] and w[3:4] == ["world"] and len(w) > 4:
+            world["torch"] = number(where, w[4].rstrip(","), int)
+            about["torch"] = " ".join(w[3:])
+        elif w[:2] == ["torch", "allreduce"]:
+            if len(w) != 11 or w[3:10:2] != ["default_us", "default_busbw", "reg_us", "reg_busbw"]:
+                raise BadInput("%s: not a torch_allreduce.py line: %s" % (where, " ".join(w)))
+            put(theirs, (number(where, w[2], int),), (busbw(where, w[6]), busbw(where, w[10])), where)
+    print("allreduce: bus bandwidth, GB/s (busbw = algbw * 2(n-1)/n), float32 sum in place; "
+          "reg_x = mempool_reg / torch_reg (above 1: mempool is faster)")
+    for side in ("mempool", "torch"):
+        if side in about:
+            print("%-8s %s" % (side + ":", about[side]))
+    header = ["MiB", "mempool_reg", "mempool_def", "mempool_win", "torch_def", "torch_reg", "reg_x"]
+    rows, ratios = [], []
+    for (mb,) in sorted(set(mine) | set(theirs)):
+        reg, default, win = mine.get((mb,), (None, None, None))
+        t_default, t_reg = theirs.get((mb,), (None, None))
+        x = ratio(reg, t_reg)
+        if x is not None:
+            ratios.append((x, mb))
+        rows.append([str(mb), fmt_gbs(reg), fmt_gbs(default), fmt_gbs(win), fmt_gbs(t_default), fmt_gbs(t_reg), fmt_ratio(x)])
+    print_table(header, rows, words=0)
+    if ratios:
+        x, mb = min(ratios)
+        print("min reg_x: %.2fx at %d MiB" % (x, mb))
+    status = 0
+    for side, have, other in (("mempool", mine, theirs), ("torch", theirs, mine)):
+        lacking = sorted(mb for (mb,) in other if (mb,) not in have)
+        if lacking or not have:
+            print("! sizes without a %s row: %s" % (side, ", ".join(map(str, lacking)) or "all (no rows read)"))
+            status = 1
+    if any(r[1] is None for r in theirs.values()):
+        print("! no torch registered-pool figure at some sizes (torch_allreduce.py's note says why)")
+        status = 1
+    if len(set(world.values())) > 1:
+        print("! the sides ran on different numbers of GPUs: mempool %d, torch %d" % (world["mempool"], world["torch"]))
+        status = 1
+    return status
+
+
 def main(argv):
     try:
         if len(argv) >= 3 and argv[1] == "latency":
             return latency(argv[2], argv[3:])
         if len(argv) >= 3 and argv[1] == "replay":
             return replay(argv[2:])
+        if len(argv) == 4 and argv[1] == "allreduce":
+            return allreduce(argv[2], argv[3])
     except (BadInput, OSError) as e:
         print("join.py: %s" % e, file=sys.stderr)
         return 2
