@@ -181,7 +181,8 @@ impl<K: Kind> Allocator<K> {
     /// guard holds the stream alive).
     pub fn set_stream(&self, stream: &K::Stream) -> Result<StreamGuard> {
         self.check_device(stream, "set_stream")?;
-        Ok(StreamGuard::new(self.shared.key, K::stream_ref(stream), K::keep(stream)))
+        StreamGuard::new(self.shared.key, K::stream_ref(stream), K::keep(stream))
+            .ok_or(Error::ThreadExiting { what: "set_stream" })
     }
 
     /// With `MEMPOOL_SNAPSHOT_ON_OOM=<path>`: writes a snapshot there before an out-of-memory

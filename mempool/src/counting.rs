@@ -93,7 +93,14 @@ unsafe impl<A: RawAllocator> RawAllocator for Counting<A> {
     }
 
     fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError> {
-        let r = self.inner.alloc(size, device, stream);
+        let r = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.inner.alloc(size, device, stream)))
+        {
+            Ok(r) => r,
+            Err(p) => {
+                self.count(|c| c.failed_allocs += 1);
+                std::panic::resume_unwind(p)
+            }
+        };
         self.count(|c| match r {
             Ok(p) if p != 0 => {
                 c.allocs += 1;
@@ -108,7 +115,17 @@ unsafe impl<A: RawAllocator> RawAllocator for Counting<A> {
 
     unsafe fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError> {
         // SAFETY: the caller's promise for this free is the inner allocator's.
-        let r = unsafe { self.inner.free(ptr, size, device, stream) };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| unsafe {
+            self.inner.free(ptr, size, device, stream)
+        }));
+        // A panicking free did not free (the contract): a failed free, then the panic goes on.
+        let r = match r {
+            Ok(r) => r,
+            Err(p) => {
+                self.count(|c| c.failed_frees += 1);
+                std::panic::resume_unwind(p)
+            }
+        };
         self.count(|c| match r {
             Ok(()) => {
                 c.frees += 1;

@@ -49,6 +49,12 @@ pub enum Error {
         /// What was being done.
         what: &'static str,
     },
+    /// Called on a thread whose thread-locals are being destroyed (from a thread-local's `Drop`):
+    /// there is no current-stream or routing context left to change.
+    ThreadExiting {
+        /// What was being done.
+        what: &'static str,
+    },
     /// A bad `MEMPOOL_ALLOC_CONF` entry or builder value.
     Config(String),
     /// A trace callback called back into mempool (which would deadlock); nothing was done.
@@ -161,6 +167,11 @@ impl fmt::Display for Error {
                 "{what}: the per-thread default stream (CU_STREAM_PER_THREAD) names another stream on each \
                  thread, so the allocator cannot order its blocks by it; use a stream of your own \
                  (`ctx.new_stream()`) or the context's default stream"
+            ),
+            Error::ThreadExiting { what } => write!(
+                f,
+                "{what}: this thread is exiting (its thread-locals are being destroyed), so it has no \
+                 stream or pool-scope context left; allocations here use the default stream and pools"
             ),
             Error::Config(msg) => write!(f, "invalid allocator config: {msg}"),
             Error::Reentrant => write!(

@@ -73,11 +73,13 @@ impl PoolId {
 /// own) for the life of the process; trace entries carry it, so that a hook can tell two
 /// allocators of the same device index apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct AllocatorId(pub(crate) u32);
+pub struct AllocatorId(pub(crate) u64);
 
 impl AllocatorId {
     pub(crate) fn fresh() -> AllocatorId {
-        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
+        // 64 bits: never wraps, so a thread's stream and route entries can never be taken for
+        // another allocator's.
+        static NEXT: AtomicU64 = AtomicU64::new(1);
         AllocatorId(NEXT.fetch_add(1, Ordering::Relaxed))
     }
 }

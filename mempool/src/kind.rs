@@ -187,13 +187,13 @@ impl Kind for Sim {
 pub struct Shared<K: Kind> {
     pub(crate) core: DeviceAllocator,
     /// The allocator's id, as the key of this thread's current-stream and route entries.
-    pub(crate) key: u32,
+    pub(crate) key: u64,
     pub(crate) device: usize,
     pub(crate) ext: K::Ext,
 }
 
 impl<K: Kind> Shared<K> {
-    pub(crate) fn new(core: DeviceAllocator, key: u32, device: usize, ext: K::Ext) -> Shared<K> {
+    pub(crate) fn new(core: DeviceAllocator, key: u64, device: usize, ext: K::Ext) -> Shared<K> {
         Shared { core, key, device, ext }
     }
 }

@@ -28,7 +28,7 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::id::StreamKey;
 use crate::kind::Kind;
 use crate::pool::MemPool;
@@ -45,8 +45,9 @@ pub struct PoolScope<'a> {
 }
 
 impl PoolScope<'_> {
+    /// `id` 0: a thread exiting, with no context to route in (the scope routes nothing).
     fn begin<K: Kind>(pool: &MemPool<K>, stream: StreamKey) -> Self {
-        let id = stream::begin_route(pool.inner.alloc.shared.key, stream, pool.pool_ref());
+        let id = stream::begin_route(pool.inner.alloc.shared.key, stream, pool.pool_ref()).unwrap_or(0);
         PoolScope { id, _pool: PhantomData, _not_send: PhantomData }
     }
 }
@@ -65,7 +66,9 @@ impl std::fmt::Debug for PoolScope<'_> {
 
 impl<K: Kind> MemPool<K> {
     /// Routes this thread's allocations on the current stream of the pool's device to this pool
-    /// until the guard is dropped (PyTorch's `use_mem_pool`).
+    /// until the guard is dropped (PyTorch's `use_mem_pool`). On a thread whose thread-locals
+    /// are being destroyed (code in a thread-local's `Drop`) there is no routing context left:
+    /// the scope routes nothing there; [`scope_on`](Self::scope_on) says so with an error.
     pub fn scope(&self) -> PoolScope<'_> {
         PoolScope::begin(self, self.current_stream_key())
     }
@@ -74,7 +77,11 @@ impl<K: Kind> MemPool<K> {
     /// the pool's is an error naming both devices.
     pub fn scope_on(&self, stream: &K::Stream) -> Result<PoolScope<'_>> {
         crate::kind::check_stream::<K>(stream, self.device(), "MemPool::scope_on")?;
-        Ok(PoolScope::begin(self, K::stream_ref(stream).key))
+        let scope = PoolScope::begin(self, K::stream_ref(stream).key);
+        if scope.id == 0 {
+            return Err(Error::ThreadExiting { what: "MemPool::scope_on" });
+        }
+        Ok(scope)
     }
 
     /// A `Send` handle routing to this pool, on the current stream of this thread (as it is now),

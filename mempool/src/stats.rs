@@ -48,6 +48,15 @@ impl Tally {
         self.cur[i] -= n as i64;
     }
 
+    /// Undoes a `sub` (the current value and peak go back up; the totals stay).
+    pub(crate) fn unsub(&mut self, small: bool, n: usize) {
+        let i = 2 - small as usize;
+        for j in [0, i] {
+            self.cur[j] += n as i64;
+            self.peak[j] = self.peak[j].max(self.cur[j]);
+        }
+    }
+
     /// The current value over all blocks.
     #[inline]
     pub(crate) fn current(&self) -> i64 {
@@ -91,6 +100,12 @@ impl Tally1 {
     #[inline]
     pub(crate) fn sub(&mut self, n: usize) {
         self.cur -= n as i64;
+    }
+
+    /// Undoes a `sub`.
+    pub(crate) fn unsub(&mut self, n: usize) {
+        self.cur += n as i64;
+        self.peak = self.peak.max(self.cur);
     }
 
     fn stat(&self) -> Stat {
@@ -236,20 +251,25 @@ impl Counters {
         }
     }
 
-    /// A segment obtained from the device (`added`) or given back; `device_call` is false when
-    /// a segment whose free failed is counted back in.
-    pub(crate) fn on_segment(&mut self, small: bool, size: usize, oversize: bool, added: bool, device_call: bool) {
+    /// A segment whose free was refused is back: its release is undone (no total changes).
+    pub(crate) fn on_segment_restored(&mut self, small: bool, size: usize, oversize: bool) {
+        self.segment.unsub(small, 1);
+        self.reserved_bytes.unsub(small, size);
+        if oversize {
+            self.oversize_segments.unsub(false, 1);
+        }
+        self.num_device_free -= 1;
+    }
+
+    /// A segment obtained from the device (`added`) or given back.
+    pub(crate) fn on_segment(&mut self, small: bool, size: usize, oversize: bool, added: bool, _device_call: bool) {
         if added {
             self.segment.add(small, 1);
             self.reserved_bytes.add(small, size);
             if oversize {
                 self.oversize_segments.add(false, 1);
             }
-            if device_call {
-                self.num_device_alloc += 1;
-            } else {
-                self.num_device_free -= 1;
-            }
+            self.num_device_alloc += 1;
         } else {
             self.segment.sub(small, 1);
             self.reserved_bytes.sub(small, size);
@@ -278,16 +298,19 @@ impl PoolCounters {
         self.requested_bytes.sub(requested);
     }
 
+    /// As [`Counters::on_segment_restored`], for the pool.
+    pub(crate) fn on_segment_restored(&mut self, size: usize) {
+        self.segment.unsub(1);
+        self.reserved_bytes.unsub(size);
+        self.num_device_free -= 1;
+    }
+
     /// As [`Counters::on_segment`], for the pool.
-    pub(crate) fn on_segment(&mut self, size: usize, added: bool, device_call: bool) {
+    pub(crate) fn on_segment(&mut self, size: usize, added: bool, _device_call: bool) {
         if added {
             self.segment.add(1);
             self.reserved_bytes.add(size);
-            if device_call {
-                self.num_device_alloc += 1;
-            } else {
-                self.num_device_free -= 1;
-            }
+            self.num_device_alloc += 1;
         } else {
             self.segment.sub(1);
             self.reserved_bytes.sub(size);

@@ -25,7 +25,7 @@ use crate::id::{PoolRef, StreamKey, StreamRef};
 /// A pool scope: allocations of this thread through allocator `key` on `stream` go to `pool`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Route {
-    pub(crate) key: u32,
+    pub(crate) key: u64,
     pub(crate) stream: StreamKey,
     pub(crate) pool: PoolRef,
     pub(crate) id: u64,
@@ -33,7 +33,7 @@ pub(crate) struct Route {
 
 /// A current-stream setting of one allocator; the entry holds the stream alive.
 struct Current {
-    key: u32,
+    key: u64,
     stream: StreamRef,
     keep: Option<Keep>,
     id: u64,
@@ -54,7 +54,7 @@ thread_local! {
         const { RefCell::new(Tls { streams: Vec::new(), routes: Vec::new(), next_id: 1 }) };
 }
 
-fn current_of(t: &Tls, key: u32) -> Option<&Current> {
+fn current_of(t: &Tls, key: u64) -> Option<&Current> {
     t.streams.iter().rev().find(|c| c.key == key)
 }
 
@@ -63,21 +63,21 @@ fn current_of(t: &Tls, key: u32) -> Option<&Current> {
 
 /// This thread's current stream for allocator `key`.
 #[inline]
-pub(crate) fn current(key: u32) -> StreamRef {
+pub(crate) fn current(key: u64) -> StreamRef {
     TLS.try_with(|t| current_of(&t.borrow(), key).map_or(StreamRef::DEFAULT, |c| c.stream))
         .unwrap_or(StreamRef::DEFAULT)
 }
 
 /// What keeps this thread's current stream for allocator `key` alive (`None` for the default
 /// stream, and for kinds whose streams never die).
-pub(crate) fn current_keep(key: u32) -> Option<Keep> {
+pub(crate) fn current_keep(key: u64) -> Option<Keep> {
     TLS.try_with(|t| current_of(&t.borrow(), key).and_then(|c| c.keep.clone())).ok().flatten()
 }
 
 /// This thread's current stream for allocator `key`, and the pool its allocations go to: the
 /// innermost scope of this thread on that stream, or the default pools.
 #[inline]
-pub(crate) fn current_with_pool(key: u32) -> (StreamRef, PoolRef) {
+pub(crate) fn current_with_pool(key: u64) -> (StreamRef, PoolRef) {
     TLS.try_with(|t| {
         let t = t.borrow();
         let s = current_of(&t, key).map_or(StreamRef::DEFAULT, |c| c.stream);
@@ -95,7 +95,8 @@ pub(crate) fn current_with_pool(key: u32) -> (StreamRef, PoolRef) {
 
 /// Begins routing; returns the route's id for [`end_route`].
 #[inline]
-pub(crate) fn begin_route(key: u32, stream: StreamKey, pool: PoolRef) -> u64 {
+/// `None` on a thread whose locals are being destroyed: it has no context left to route in.
+pub(crate) fn begin_route(key: u64, stream: StreamKey, pool: PoolRef) -> Option<u64> {
     TLS.try_with(|t| {
         let mut t = t.borrow_mut();
         let id = t.next_id;
@@ -103,7 +104,7 @@ pub(crate) fn begin_route(key: u32, stream: StreamKey, pool: PoolRef) -> u64 {
         t.routes.push(Route { key, stream, pool, id });
         id
     })
-    .unwrap_or(0) // no context left on this thread: nothing to route, nothing to end
+    .ok()
 }
 
 /// Ends exactly the route `id`, wherever it is in the stack (guards may be dropped out of order).
@@ -128,13 +129,14 @@ pub(crate) fn end_route(id: u64) {
 #[must_use = "the stream is current only while the guard lives"]
 pub struct StreamGuard {
     id: u64,
-    key: u32,
+    key: u64,
     // The setting is per thread: the guard must be dropped on the thread that made it.
     _not_send: PhantomData<*const ()>,
 }
 
 impl StreamGuard {
-    pub(crate) fn new(key: u32, stream: StreamRef, keep: Option<Keep>) -> StreamGuard {
+    /// `None` on a thread whose locals are being destroyed (no context to set a stream in).
+    pub(crate) fn new(key: u64, stream: StreamRef, keep: Option<Keep>) -> Option<StreamGuard> {
         let id = TLS
             .try_with(|t| {
                 let mut t = t.borrow_mut();
@@ -143,8 +145,8 @@ impl StreamGuard {
                 t.streams.push(Current { key, stream, keep, id });
                 id
             })
-            .unwrap_or(0);
-        StreamGuard { id, key, _not_send: PhantomData }
+            .ok()?;
+        Some(StreamGuard { id, key, _not_send: PhantomData })
     }
 }
 

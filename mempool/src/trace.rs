@@ -234,7 +234,10 @@ pub(crate) fn deliver(e: &TraceEntry) {
     for h in hooks {
         // A panicking callback must not unwind into the allocator (it may be inside `Drop`);
         // the panic is contained here.
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&e)));
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&e))) {
+            // Not dropped: a payload's own `Drop` may panic, and that would unwind after all.
+            std::mem::forget(p);
+        }
     }
     IN_HOOK.with(|f| f.set(was));
 }

@@ -186,6 +186,8 @@ pub(crate) fn contain<T>(what: &str, f: impl FnOnce() -> Result<T, BackendError>
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a non-string payload".into());
+            // Not dropped: a payload's own `Drop` may panic, and that would unwind after all.
+            std::mem::forget(p);
             Err(BackendError::Failed(format!("{what} panicked: {msg}")))
         }
     }

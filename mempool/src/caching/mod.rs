@@ -47,6 +47,27 @@ thread_local! {
     static RUNNING: RefCell<Vec<AllocatorId>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Whether this thread is running `id`'s outbox (false on a thread whose locals are gone).
+fn running_here(id: AllocatorId) -> bool {
+    RUNNING.try_with(|r| r.borrow().contains(&id)).unwrap_or(false)
+}
+
+fn set_running(id: AllocatorId, on: bool) {
+    let _ = RUNNING.try_with(|r| {
+        let mut r = r.borrow_mut();
+        if on {
+            r.push(id);
+        } else if let Some(i) = r.iter().rposition(|x| *x == id) {
+            r.remove(i);
+        }
+    });
+}
+
+/// Items a runner takes from the outbox at a time.
+const OUTBOX_BATCH: usize = 64;
+/// How long a runner goes on delivering other threads' work once its own is done.
+const OUTBOX_EXTRA: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// How long a call that promises its work is done (a new segment announced, `empty_cache`'s
 /// memory back) waits for another thread that is running the outbox before it goes on without:
 /// a hook may be waiting for a lock the caller holds, and then waiting longer would be a hang.
@@ -123,26 +144,30 @@ impl DeviceAllocator {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Unlocks, then runs the outbox if the call queued anything; `wait`: even if another thread
-    /// is running it now (for calls that promise the work is done when they return).
+    /// Unlocks, then runs the outbox if the call queued anything (or work is left over from a
+    /// runner that stopped); `wait`: even if another thread is running it now (for calls that
+    /// promise the work is done when they return).
     #[inline(always)]
     fn unlock(&self, st: MutexGuard<'_, State>, wait: bool) {
         let queued = !st.outbox.is_empty();
+        let target = st.taken + st.outbox.len() as u64;
         if queued {
             self.has_work.store(true, Ordering::Release);
         }
         drop(st);
-        if queued || (wait && self.has_work.load(Ordering::Acquire)) {
-            self.flush(wait);
+        if queued || self.has_work.load(Ordering::Acquire) {
+            self.flush(wait, target);
         }
     }
 
-    /// Runs the outbox: hook events and segment frees, one thread at a time, in queue order.
-    /// `wait`: if another thread is running it, wait (a bounded time) for the lock rather than
-    /// leave our work to that thread.
+    /// Runs the outbox: hook events and segment frees, one thread at a time, in queue order,
+    /// until the items up to `target` (the caller's own) are done, then for at most
+    /// `OUTBOX_EXTRA` more; what is left, the next call on this allocator delivers. `wait`: if
+    /// another thread is running it, wait (at most `OUTBOX_PATIENCE`) rather than leave our work
+    /// to that thread.
     #[cold]
-    fn flush(&self, wait: bool) {
-        if RUNNING.with(|r| r.borrow().contains(&self.id)) {
+    fn flush(&self, wait: bool, target: u64) {
+        if running_here(self.id) {
             return;
         }
         let since = std::time::Instant::now();
@@ -157,33 +182,38 @@ impl DeviceAllocator {
                     continue;
                 }
             };
-            RUNNING.with(|r| r.borrow_mut().push(self.id));
+            set_running(self.id, true);
             let id = self.id;
-            let _running = scopeguard::guard((), move |()| {
-                RUNNING.with(|r| {
-                    let mut r = r.borrow_mut();
-                    if let Some(i) = r.iter().rposition(|x| *x == id) {
-                        r.remove(i);
-                    }
-                })
-            });
+            let _running = scopeguard::guard((), move |()| set_running(id, false));
+            let started = std::time::Instant::now();
+            let mut done = 0;
             loop {
-                let work = {
+                let batch: Vec<Work> = {
                     let mut st = self.lock();
-                    self.has_work.store(false, Ordering::Release);
-                    std::mem::take(&mut st.outbox)
+                    if st.outbox.is_empty() {
+                        self.has_work.store(false, Ordering::Release);
+                        break;
+                    }
+                    let n = st.outbox.len().min(OUTBOX_BATCH);
+                    st.taken += n as u64;
+                    done = st.taken;
+                    st.outbox.drain(..n).collect()
                 };
-                if work.is_empty() {
-                    break;
+                for w in batch {
+                    // One item's panic (a pool allocator's `Drop`, a panic payload that panics on
+                    // drop) must not lose the items after it.
+                    if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(w))) {
+                        std::mem::forget(p);
+                    }
                 }
-                for w in work {
-                    self.run(w);
+                if done >= target && started.elapsed() > OUTBOX_EXTRA {
+                    break;
                 }
             }
             drop(_running);
             drop(guard);
-            // Work queued by a thread that found the outbox busy just before we let go.
-            if !self.has_work.load(Ordering::Acquire) {
+            // Our work is done; what others queued meanwhile their next call (or any call) runs.
+            if done >= target || !self.has_work.load(Ordering::Acquire) {
                 return;
             }
         }
@@ -270,6 +300,9 @@ impl DeviceAllocator {
         let be = &*self.backend;
         let small = is_small(rounded);
         let mut retried = false;
+        // Before any user code runs (hooks and frees run when the lock is let go, and may change
+        // this thread's current stream): the request's stream is still the current one.
+        let mut keep = Some((req.keep)());
         loop {
             let mut st = self.lock();
             let slot = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
@@ -295,25 +328,26 @@ impl DeviceAllocator {
                 Some(size) if st.within_limit(size) => {
                     st.growing += size;
                     self.unlock(st, true);
-                    let keep = (req.keep)();
+                    let seg_keep = keep.take().unwrap_or_else(|| (req.keep)());
                     let r = contain("the pool allocator", || match &source {
                         Source::Backend => be.alloc_segment(size, req.stream.raw),
                         Source::Pool(a) => crate::backend::as_source(|| a.alloc(size, be.device(), req.stream.raw)),
                     });
                     st = self.lock();
                     st.growing -= size;
-                    Some((r, size, keep))
+                    Some((r, size, seg_keep))
                 }
                 _ => None,
             };
+            // The pool may have been released, and its slot taken, while the lock was let go: the
+            // request then falls back to the default pools (and blames no other pool).
+            let now = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
+            let gone = now != slot || st.pools[now.get()].spec.id != id;
             match got {
-                Some((Ok(addr), size, keep)) if addr != 0 => {
+                Some((Ok(addr), size, seg_keep)) if addr != 0 => {
                     let misaligned = addr % align as u64 != 0;
                     // The free sets pack addresses into 56 bits; no device hands out higher ones.
                     let too_high = addr.checked_add(size as u64).is_none_or(|end| end > 1 << 56);
-                    // The pool may have been released, and its slot taken, while the lock was let go.
-                    let now = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
-                    let gone = now != slot || st.pools[now.get()].spec.id != id;
                     if misaligned || too_high || gone {
                         let why = if misaligned {
                             Some(format!("returned {addr:#x}, not aligned to its granularity of {align} bytes"))
@@ -322,18 +356,24 @@ impl DeviceAllocator {
                         } else {
                             None
                         };
-                        let err = why.as_ref().map(|w| st.alloc_failed(slot, w.clone()));
+                        let err = why.filter(|_| !gone).map(|w| st.alloc_failed(slot, w));
+                        keep = Some(seg_keep.clone());
                         drop(st);
-                        self.give_back(&source, addr, size, req.stream, keep);
+                        self.give_back(&source, addr, size, req.stream, seg_keep);
                         match err {
                             Some(e) => return Err(e),
                             None => continue,
                         }
                     }
-                    let block = st.insert_segment(addr, size, key, req.stream, keep, true);
+                    let block = st.insert_segment(addr, size, key, req.stream, seg_keep, true);
                     let (block, addr) = st.take_block(block, rounded, req.size);
                     self.unlock(st, true);
                     return Ok(Allocation { block, addr });
+                }
+                Some((_, _, seg_keep)) if gone => {
+                    keep = Some(seg_keep);
+                    drop(st);
+                    continue;
                 }
                 Some((Err(BackendError::Failed(m)), _, _)) => {
                     let e = st.alloc_failed(slot, m);
@@ -341,7 +381,12 @@ impl DeviceAllocator {
                     return Err(e);
                 }
                 // Out of memory: `Ok(0)`, `Err(OutOfMemory)`, or over the limit.
-                _ => {}
+                Some((_, _, seg_keep)) => keep = Some(seg_keep),
+                None if gone => {
+                    drop(st);
+                    continue;
+                }
+                None => {}
             }
             if !retried {
                 retried = true;
@@ -361,8 +406,10 @@ impl DeviceAllocator {
                 }
             }
             let e = st.oom(be, req.size, slot);
-            if st.set_segments[set.0 as usize] == 0 {
-                st.retire_set(set); // made for this request alone
+            // A set made for this request alone (and still this key's: it may have been retired
+            // and reused while the lock was let go).
+            if st.set_index.get(&key) == Some(&set) && st.set_segments[set.0 as usize] == 0 {
+                st.retire_set(set);
             }
             self.unlock(st, true);
             return Err(e);
@@ -600,7 +647,9 @@ impl Drop for DeviceAllocator {
                     break;
                 }
                 for w in work {
-                    self.run(w);
+                    if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(w))) {
+                        std::mem::forget(p);
+                    }
                 }
             }
             let mut st = self.lock();

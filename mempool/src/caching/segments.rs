@@ -139,9 +139,15 @@ impl State {
         self.segments[seg.0 as usize].freed_at = self.tick;
     }
 
-    /// Counts a segment obtained (`added`) or given back, for the device and its pool.
+    /// Counts a segment obtained (`added`) or given back, for the device and its pool; a segment
+    /// back after a refused free (`added`, not `device_call`) only undoes its earlier release.
     fn count_segment(&mut self, pool: Slot, small: bool, size: usize, added: bool, device_call: bool) {
         let oversize = size >= self.config.max_split_size;
+        if added && !device_call {
+            self.stats.on_segment_restored(small, size, oversize);
+            self.pools[pool.get()].stats.on_segment_restored(size);
+            return;
+        }
         self.stats.on_segment(small, size, oversize, added, device_call);
         self.pools[pool.get()].stats.on_segment(size, added, device_call);
     }
@@ -194,7 +200,14 @@ impl State {
     /// kept for reuse, and forgotten by its (pool, stream), so that streams and pools that come
     /// and go do not grow the table.
     pub(super) fn retire_set(&mut self, set: super::state::SetIdx) {
+        // Only a set that is in use: a set looked up before the lock was let go may have been
+        // retired meanwhile, and a set twice in `idle_sets` would serve two streams.
+        let before = self.set_index.len();
         self.set_index.retain(|_, i| *i != set);
+        if self.set_index.len() == before {
+            return;
+        }
+        debug_assert_eq!(self.set_segments[set.0 as usize], 0, "retiring a set with segments");
         self.idle_sets.push(set);
         self.last_set = None;
     }

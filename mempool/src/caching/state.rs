@@ -254,6 +254,8 @@ pub(super) struct State {
     pub(super) error: Option<Error>,
     /// Events and segment frees for outside the lock (see `DeviceAllocator::flush`).
     pub(super) outbox: Vec<Work>,
+    /// Outbox items taken by runners so far (the sequence number of the next one to run).
+    pub(super) taken: u64,
     /// Bytes being obtained from the device right now, outside the lock.
     pub(super) growing: usize,
     /// Bytes taken out of the cache and not yet given back (in the outbox or being freed).
@@ -297,6 +299,7 @@ impl State {
             tick: 0,
             error: None,
             outbox: Vec::new(),
+            taken: 0,
             growing: 0,
             releasing: 0,
             allocator,
