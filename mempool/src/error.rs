@@ -57,7 +57,8 @@ pub enum Error {
     },
     /// A bad `MEMPOOL_ALLOC_CONF` entry or builder value.
     Config(String),
-    /// A trace callback called back into mempool (which would deadlock); nothing was done.
+    /// An allocation from inside a trace callback (it would feed the callback its own events);
+    /// nothing was done.
     Reentrant,
     /// A pool's own allocator failed in a way other than running out of memory.
     PoolAllocator {
@@ -176,8 +177,9 @@ impl fmt::Display for Error {
             Error::Config(msg) => write!(f, "invalid allocator config: {msg}"),
             Error::Reentrant => write!(
                 f,
-                "mempool was called from inside one of its own trace callbacks; do the work after the \
-                 callback returns (a Buffer dropped there is freed at the allocator's next call)"
+                "an allocation was asked for from inside a trace callback, where it would feed the \
+                 callback its own events; allocate after the callback returns (reading statistics, \
+                 snapshots, freeing and recording streams do work in a callback)"
             ),
             Error::PoolAllocator { pool, allocator, message } => {
                 write!(f, "the allocator `{allocator}` of pool {pool} failed: {message}")

@@ -406,7 +406,7 @@ fn a_hook_calling_back_gets_an_error_not_a_deadlock() {
     drop(hook);
     let seen = seen.lock().unwrap();
     assert_eq!(seen.len(), 1);
-    assert!(seen[0].contains("trace callbacks"), "{}", seen[0]);
+    assert!(seen[0].contains("inside a trace callback"), "{}", seen[0]);
     // The buffer dropped in the hook is freed by the next call.
     drop(x);
     a.alloc::<u8>(10).unwrap();
