@@ -13,11 +13,12 @@
 
 mod common;
 
+use common::watch::{panic_text, sim, wait_for, within};
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -33,40 +34,6 @@ const MIB: usize = 1 << 20;
 // ------------------------------------------------------------------------------------------
 // Harness
 // ------------------------------------------------------------------------------------------
-
-/// Runs `f` on its own thread; fails the test if it has not finished within `secs` (a hang;
-/// the stuck thread is left behind, it holds only this test's allocator).
-fn within<T: Send + 'static>(secs: u64, what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(secs)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("HANG: {what}: still running after {secs} s"),
-    }
-}
-
-fn wait_for(flag: &AtomicBool, secs: u64) -> bool {
-    let end = Instant::now() + Duration::from_secs(secs);
-    while !flag.load(Ordering::SeqCst) {
-        if Instant::now() > end {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    true
-}
-
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_default()
-}
-
-fn sim(capacity: usize) -> (Arc<SimDevice>, Allocator<Sim>) {
-    let dev = SimDevice::new(capacity);
-    (dev.clone(), Allocator::sim(dev))
-}
 
 /// The stream of the segment that holds `addr`, from a snapshot.
 fn segment_stream(a: &Allocator<Sim>, addr: u64) -> StreamId {

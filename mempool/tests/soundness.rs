@@ -4,29 +4,17 @@
 
 mod common;
 
+use common::watch::within;
+
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use mempool::sim::SimDevice;
 use mempool::trace::{self, Action};
 use mempool::{Allocator, BackendError, Error, MemPool, PoolOptions, RawAllocator, Sim, StreamId};
 
 const MIB: usize = 1 << 20;
-
-/// Runs `f` on its own thread and fails the test if it has not finished within 20 s (a hang).
-fn within_deadline<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(20)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("{what}: still running after 20 s (deadlock)"),
-    }
-}
 
 /// A pool allocator over made-up addresses (the simulated device never touches memory), with a
 /// log of what it gave and got back, and switches to fail or panic.
@@ -130,7 +118,7 @@ fn stream_guards_end_by_identity_in_any_order() {
 /// Finding 6: a hook reading the allocator (the usual "snapshot on OOM" hook) hung.
 #[test]
 fn a_hook_may_read_and_use_the_allocator_without_hanging() {
-    within_deadline("hook calling back", || {
+    within(20, "hook calling back", || {
         let (dev, a) = sim();
         let raw = a.alloc_bytes(4096).unwrap();
         let side = dev.new_stream();
@@ -168,7 +156,7 @@ fn a_hook_may_read_and_use_the_allocator_without_hanging() {
 /// deadlocked (ABBA).
 #[test]
 fn hooks_of_two_allocators_reading_each_other_do_not_deadlock() {
-    within_deadline("ABBA", || {
+    within(20, "ABBA", || {
         let (_, a) = sim();
         let (_, b) = sim();
         let (ida, idb) = (a.id(), b.id());
@@ -207,7 +195,7 @@ fn hooks_of_two_allocators_reading_each_other_do_not_deadlock() {
 /// callback look like ordinary code; a buffer dropped there then locked the held mutex.
 #[test]
 fn a_callback_stays_a_callback_when_another_thread_detaches_every_hook() {
-    within_deadline("detach race", || {
+    within(20, "detach race", || {
         let (_, a) = sim();
         let me = a.id();
         let kept = Arc::new(Mutex::new(Some(a.alloc::<u8>(64).unwrap())));
@@ -297,7 +285,7 @@ fn a_panicking_pool_free_leaves_every_entry_and_counter_exact() {
 /// A pool allocator may call mempool: it runs with no lock of ours held.
 #[test]
 fn a_pool_allocator_calling_mempool_does_not_deadlock() {
-    within_deadline("pool allocator calling back", || {
+    within(20, "pool allocator calling back", || {
         let (_, a) = sim();
         let ledger = Ledger::default();
         let (a2, seen) = (a.clone(), Arc::new(AtomicUsize::new(0)));
