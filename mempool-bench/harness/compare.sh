@@ -51,38 +51,34 @@ usage() {
   exit 2
 }
 
-# --- the mempool-bench binary --------------------------------------------------------------------
-find_mempool_bench() {
-  if [[ -n ${MEMPOOL_BENCH:-} ]]; then
-    [[ $MEMPOOL_BENCH == none || -x $MEMPOOL_BENCH ]] || die "MEMPOOL_BENCH=$MEMPOOL_BENCH is not an executable file"
-    MB=$MEMPOOL_BENCH
+# --- the binaries: mempool-bench, the allreduce example ------------------------------------------
+# find_binary OUT ENVVAR CANDIDATE...: OUT is $ENVVAR when it is set (`none`, or an executable file),
+# else the first executable candidate; fails when there is none.
+find_binary() {
+  local out=$1 env=$2
+  shift 2
+  local given=${!env:-}
+  if [[ -n $given ]]; then
+    [[ $given == none || -x $given ]] || die "$env=$given is not an executable file"
+    printf -v "$out" '%s' "$given"
     return 0
   fi
   local c
-  for c in "$root/.gpu/bin/mempool-bench" "${CARGO_TARGET_DIR:-$root/target}/release/mempool-bench"; do
+  for c in "$@"; do
     if [[ -x $c ]]; then
-      MB=$c
+      printf -v "$out" '%s' "$c"
       return 0
     fi
   done
   return 1
 }
 
-# --- the allreduce example ----------------------------------------------------------------------
+find_mempool_bench() {
+  find_binary MB MEMPOOL_BENCH "$root/.gpu/bin/mempool-bench" "${CARGO_TARGET_DIR:-$root/target}/release/mempool-bench"
+}
+
 find_allreduce() {
-  if [[ -n ${MEMPOOL_ALLREDUCE:-} ]]; then
-    [[ $MEMPOOL_ALLREDUCE == none || -x $MEMPOOL_ALLREDUCE ]] || die "MEMPOOL_ALLREDUCE=$MEMPOOL_ALLREDUCE is not an executable file"
-    AR=$MEMPOOL_ALLREDUCE
-    return 0
-  fi
-  local c
-  for c in "$root/.gpu/bin/allreduce" "${CARGO_TARGET_DIR:-$root/target}/release/examples/allreduce"; do
-    if [[ -x $c ]]; then
-      AR=$c
-      return 0
-    fi
-  done
-  return 1
+  find_binary AR MEMPOOL_ALLREDUCE "$root/.gpu/bin/allreduce" "${CARGO_TARGET_DIR:-$root/target}/release/examples/allreduce"
 }
 
 # --- building ------------------------------------------------------------------------------------
