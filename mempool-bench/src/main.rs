@@ -5,6 +5,7 @@
 //! mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]
 //! mempool-bench replay <trace>... [--backend sim|host|cuda]
 //! mempool-bench scope [--backend sim|host|cuda]
+//! mempool-bench threads [--shared-stream] [--backend sim|host|cuda]
 //! ```
 //! `latency` prints `pair <bytes> <ns>` and `mixed <live> <ns>` lines (through `Buffer`), then the
 //! same through the raw byte API as `pair-raw` / `mixed-raw`. `replay` prints one line per rep:
@@ -15,6 +16,12 @@
 //! `scope pair_in_scope <bytes> <ns>` measured one after the other in the same run, then a scope
 //! around every pair: by hand in a block and through `pool_scope!`, by hand in a function and
 //! through a `#[with_pool]` function.
+//! `threads` runs the `threads` workload: for N = 1, 2, 4, 8, 16 threads, each makes a stream of
+//! its own current (with `--shared-stream`: all of them one stream), does 2,000 untimed pairs,
+//! waits on a barrier, then 200,000 timed alloc + free pairs cycling 512 B, 4 KiB, 64 KiB, 1 MiB;
+//! one line each: `mempool threads <N> pairs_per_s <rate> scaling <rate / rate at N=1>` (with
+//! `--shared-stream`, `mempool threads_shared ...`), the rate being N × pairs / the slowest thread's
+//! time.
 //! The backend is CUDA device 0 when a GPU is present, else host memory (said on stderr).
 
 use std::process::ExitCode;
@@ -217,6 +224,54 @@ fn replay<K: Kind>(a: &Allocator<K>, path: &str, streams: &mut Streams<'_, K>) -
     Ok(())
 }
 
+/// The sizes the `threads` workload cycles through.
+const THREAD_SIZES: [usize; 4] = [512, 4096, 64 << 10, 1 << 20];
+
+fn threads<K: Kind>(a: &Allocator<K>, args: &[String], streams: &mut Streams<'_, K>) -> Result<(), String> {
+    let shared = match args {
+        [] => false,
+        [x] if x == "--shared-stream" => true,
+        _ => return Err(usage()),
+    };
+    let iters = timed();
+    let one = (streams.new)()?;
+    let mut base = 0.0;
+    for n in [1usize, 2, 4, 8, 16] {
+        let mine: Vec<K::Stream> =
+            (0..n).map(|_| if shared { Ok(one.clone()) } else { (streams.new)() }).collect::<Result<_, _>>()?;
+        let barrier = std::sync::Arc::new(std::sync::Barrier::new(n));
+        let workers: Vec<_> = mine
+            .into_iter()
+            .map(|s| {
+                let (a, barrier) = (a.clone(), barrier.clone());
+                std::thread::spawn(move || -> Result<f64, String> {
+                    let _on = a.set_stream(&s).map_err(|e| e.to_string())?;
+                    for i in 0..2_000 {
+                        drop(a.alloc::<u8>(THREAD_SIZES[i % 4]).map_err(|e| e.to_string())?);
+                    }
+                    barrier.wait();
+                    let t = Instant::now();
+                    for i in 0..iters {
+                        drop(std::hint::black_box(a.alloc::<u8>(THREAD_SIZES[i % 4]).map_err(|e| e.to_string())?));
+                    }
+                    Ok(t.elapsed().as_secs_f64())
+                })
+            })
+            .collect();
+        let mut slowest: f64 = 0.0;
+        for w in workers {
+            slowest = slowest.max(w.join().map_err(|_| "a worker thread panicked".to_string())??);
+        }
+        let rate = (n * iters) as f64 / slowest;
+        if n == 1 {
+            base = rate;
+        }
+        let name = if shared { "threads_shared" } else { "threads" };
+        out!("mempool {name} {n} pairs_per_s {rate:.0} scaling {:.2}", rate / base);
+    }
+    Ok(())
+}
+
 fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String], mut streams: Streams<'_, K>) -> Result<(), String> {
     match cmd {
         "latency" => {
@@ -228,12 +283,13 @@ fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String], mut streams: Stream
             scope(&a);
             Ok(())
         }
+        "threads" => threads(&a, args, &mut streams),
         _ => Err(usage()),
     }
 }
 
 fn usage() -> String {
-    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]".into()
+    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]".into()
 }
 
 fn main() -> ExitCode {
