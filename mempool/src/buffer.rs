@@ -2,11 +2,12 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, LaunchArgs, PushKernelArg, SyncOnDrop};
 
-use crate::caching::{Allocation, BlockIdx};
+use crate::caching::Allocation;
 use crate::error::Result;
 use crate::id::{StreamId, StreamRef};
 use crate::kind::{Cuda, Handle, Kind};
@@ -34,7 +35,10 @@ use crate::kind::{Cuda, Handle, Kind};
 /// ```
 pub struct Buffer<T, K: Kind = Cuda> {
     shared: Handle<K>,
-    block: Option<BlockIdx>,
+    block: Option<Allocation>,
+    /// Another stream was recorded: its free must wait for that stream's work (so it does not
+    /// go to a thread cache).
+    used_elsewhere: AtomicBool,
     ptr: u64,
     len: usize,
     stream: StreamRef,
@@ -48,7 +52,8 @@ impl<T, K: Kind> Buffer<T, K> {
     pub(crate) fn new(shared: Handle<K>, a: Allocation, len: usize, stream: StreamRef) -> Self {
         Buffer {
             shared,
-            block: Some(a.block),
+            block: Some(a),
+            used_elsewhere: AtomicBool::new(false),
             ptr: a.addr,
             len,
             stream,
@@ -58,7 +63,16 @@ impl<T, K: Kind> Buffer<T, K> {
     }
 
     pub(crate) fn empty(shared: Handle<K>, len: usize, stream: StreamRef) -> Self {
-        Buffer { shared, block: None, ptr: 0, len, stream, stream_cache: Default::default(), _elem: PhantomData }
+        Buffer {
+            shared,
+            block: None,
+            used_elsewhere: AtomicBool::new(false),
+            ptr: 0,
+            len,
+            stream,
+            stream_cache: Default::default(),
+            _elem: PhantomData,
+        }
     }
 
     /// Number of elements.
@@ -97,8 +111,13 @@ impl<T, K: Kind> Buffer<T, K> {
     /// buffer holds `stream` alive until then.
     pub fn record_stream(&self, stream: &K::Stream) -> Result<()> {
         crate::kind::check_stream::<K>(stream, self.shared.device, "record_stream")?;
-        if let Some(b) = self.block {
-            self.shared.core.record_stream(b, K::stream_ref(stream), K::keep(stream));
+        if let Some(a) = &self.block {
+            // Set before the use is recorded: a free racing this call cannot happen (it takes
+            // the buffer by value), so the flag is seen by `drop`.
+            if K::stream_ref(stream).key != self.stream.key {
+                self.used_elsewhere.store(true, Ordering::Relaxed);
+            }
+            self.shared.core.record_stream(a.block, K::stream_ref(stream), K::keep(stream));
         }
         Ok(())
     }
@@ -106,8 +125,9 @@ impl<T, K: Kind> Buffer<T, K> {
 
 impl<T, K: Kind> Drop for Buffer<T, K> {
     fn drop(&mut self) {
-        if let Some(b) = self.block {
-            self.shared.core.free(b);
+        if let Some(a) = &self.block {
+            let bytes = self.num_bytes();
+            self.shared.core.free_allocation(a, self.stream.key, bytes, *self.used_elsewhere.get_mut());
         }
     }
 }
@@ -155,7 +175,7 @@ impl<T> DeviceSlice<T> for Buffer<T, Cuda> {
     /// The stream the buffer was allocated on.
     fn stream(&self) -> &Arc<CudaStream> {
         self.stream_cache.stream(|| {
-            let keep = self.block.and_then(|b| self.shared.core.stream_keep(b));
+            let keep = self.block.and_then(|a| self.shared.core.stream_keep(a.block));
             Cuda::resolve(&self.shared, self.stream, keep)
         })
     }

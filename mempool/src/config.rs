@@ -7,6 +7,7 @@
 //! | `max_split_size_mb` | integer > 20 | blocks this large or larger are never split, and serve only requests within 20 MiB of their size |
 //! | `garbage_collection_threshold` | 0.0 < t < 1.0 | when reserved memory passes `t` × the memory-fraction limit, fully free cached segments are given back, oldest first, before new memory is asked for |
 //! | `roundup_power2_divisions` | a power of two, or `[256:1,512:2,>:4]` (MiB interval starts, `>` for the rest) | sizes are rounded up to the next of `divisions` steps between two powers of two |
+//! | `thread_cache` | `True` (default) or `False` | mempool's own: each thread keeps the blocks it freed last and reuses them for requests of the same size on the same stream without a lock; `False` gives every block to the shared best-fit sets, exactly as PyTorch places them |
 //!
 //! ```
 //! let c = mempool::Config::parse("max_split_size_mb:256,garbage_collection_threshold:0.8,roundup_power2_divisions:4")?;
@@ -26,7 +27,7 @@ use crate::rules::{divisions_index, LARGE_BUFFER, POWER2_INTERVALS};
 /// The environment variable read by the process-wide CUDA allocators.
 pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
 
-const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions";
+const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, thread_cache";
 const MIB: usize = 1 << 20;
 /// The most round-up divisions per power of two (steps of 1 KiB at 1 MiB).
 const MAX_DIVISIONS: usize = 1 << 10;
@@ -42,6 +43,8 @@ pub struct Config {
     pub roundup_power2_divisions: [usize; POWER2_INTERVALS],
     /// Fraction of the device's total memory this allocator may reserve (1.0: all of it).
     pub memory_fraction: f64,
+    /// Per-thread caches of recently freed blocks (see the module's table).
+    pub thread_cache: bool,
 }
 
 impl Default for Config {
@@ -51,6 +54,7 @@ impl Default for Config {
             garbage_collection_threshold: 0.0,
             roundup_power2_divisions: [0; POWER2_INTERVALS],
             memory_fraction: 1.0,
+            thread_cache: true,
         }
     }
 }
@@ -97,6 +101,13 @@ impl Config {
                         b.roundup_power2_divisions(parse_num(key, value, "a power of two, or [256:1,512:2,>:4]")?)
                     }
                 }
+                "thread_cache" => b.thread_cache(match value {
+                    "True" | "true" | "1" => true,
+                    "False" | "false" | "0" => false,
+                    _ => {
+                        return Err(Error::Config(format!("thread_cache: expected True or False, got `{value}`")));
+                    }
+                }),
                 other => {
                     return Err(Error::Config(format!("unknown key `{other}`; valid keys: {KEYS}")));
                 }
@@ -183,6 +194,12 @@ impl ConfigBuilder {
                 _ => rest.unwrap_or(0),
             };
         }
+        self
+    }
+
+    /// Per-thread caches of recently freed blocks (default: on).
+    pub fn thread_cache(mut self, on: bool) -> Self {
+        self.config.thread_cache = on;
         self
     }
 

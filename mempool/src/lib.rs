@@ -60,6 +60,7 @@ pub mod scope;
 pub mod snapshot;
 pub mod stats;
 pub mod stream;
+mod sync;
 pub mod trace;
 
 pub use allocator::{Allocator, Cuda, Host, Kind, Sim};

@@ -1,5 +1,6 @@
 //! Memory statistics, with the names and meaning of `torch.cuda.memory_stats()`.
 
+use crate::sync::{AtomicI64, AtomicU64, Ordering};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -184,73 +185,21 @@ pub struct PoolStats {
     pub num_segment_free: u64,
 }
 
-/// Every counter of one allocator (see [`MemoryStats`] for their meaning).
+/// The allocator's segment-side counters, kept under its lock (segments are made and given back
+/// there, so these change only on slow paths). The block-side counters are per thread: [`ThreadStats`].
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Counters {
-    pub(crate) allocation: Tally,
     pub(crate) segment: Tally,
-    pub(crate) active: Tally,
-    pub(crate) inactive_split: Tally,
-    pub(crate) allocated_bytes: Tally,
     pub(crate) reserved_bytes: Tally,
-    pub(crate) active_bytes: Tally,
-    pub(crate) inactive_split_bytes: Tally,
-    pub(crate) requested_bytes: Tally,
     pub(crate) num_alloc_retries: u64,
     pub(crate) num_ooms: u64,
     pub(crate) num_sync_all_streams: u64,
     pub(crate) num_device_alloc: u64,
     pub(crate) num_device_free: u64,
-    pub(crate) oversize_allocations: Tally,
     pub(crate) oversize_segments: Tally,
 }
 
-/// What each allocator event changes, in one place: the caching algorithm calls these and
-/// touches no counter itself.
 impl Counters {
-    /// A block of `size` bytes (`requested` asked for) handed out.
-    #[inline(always)]
-    pub(crate) fn on_alloc(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
-        self.allocation.add(small, 1);
-        self.allocated_bytes.add(small, size);
-        self.active.add(small, 1);
-        self.active_bytes.add(small, size);
-        self.requested_bytes.add(small, requested);
-        if oversize {
-            self.oversize_allocations.add(false, 1);
-        }
-    }
-
-    /// Its owner freed a block; it stays active until it is back in its free set.
-    #[inline(always)]
-    pub(crate) fn on_free_requested(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
-        self.allocation.sub(small, 1);
-        self.allocated_bytes.sub(small, size);
-        self.requested_bytes.sub(small, requested);
-        if oversize {
-            self.oversize_allocations.sub(false, 1);
-        }
-    }
-
-    /// A freed block is back in its free set (every stream that used it is done).
-    #[inline(always)]
-    pub(crate) fn on_free_completed(&mut self, small: bool, size: usize) {
-        self.active.sub(small, 1);
-        self.active_bytes.sub(small, size);
-    }
-
-    /// A free block of a split segment entered (`add`) or left the inactive-split counts.
-    #[inline(always)]
-    pub(crate) fn on_inactive_split(&mut self, small: bool, size: usize, add: bool) {
-        if add {
-            self.inactive_split.add(small, 1);
-            self.inactive_split_bytes.add(small, size);
-        } else {
-            self.inactive_split.sub(small, 1);
-            self.inactive_split_bytes.sub(small, size);
-        }
-    }
-
     /// A segment whose free was refused is back: its release is undone (no total changes).
     pub(crate) fn on_segment_restored(&mut self, small: bool, size: usize, oversize: bool) {
         self.segment.unsub(small, 1);
@@ -277,6 +226,360 @@ impl Counters {
                 self.oversize_segments.sub(false, 1);
             }
             self.num_device_free += 1;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-side statistics: per thread, without a shared hot cache line.
+//
+// Every change to the block-side counters (allocations, active and inactive-split blocks,
+// allocated, active, requested bytes, oversize allocations) is made by some thread, and goes to
+// that thread's [`ThreadStats`]: its current values and totals, written only under that thread's own
+// (uncontended) lock. A device-wide *current* value is the sum over threads, read under each
+// thread's lock: exact whenever the allocator is quiescent.
+//
+// A *peak* cannot be summed. Each thread also keeps, per counter, `committed`: how much of its
+// current value it has added to a device-wide atomic `G` (so `G` = Σ committed). When a
+// thread's current value rises above its committed one, it commits the difference
+// (`G.fetch_add`) and raises the peak to the new `G` (`fetch_max`); when it falls more than
+// a slack below, it commits the decrease. So `G` ≥ the true sum except for other threads'
+// uncommitted decreases, and
+// - with one thread at a time the peak is exact: `G` = committed ≥ current always, and the true
+//   value can pass the old peak only by rising above `committed`, which commits it;
+// - with several, the peak is at most the true one plus the other threads' slack (twice the
+//   largest block each cached, at least 16 MiB: `slack_for`), never below it;
+// - a thread that cycles allocations and frees within its slack (the hot case) touches no
+//   shared cache line at all.
+// ---------------------------------------------------------------------------------------------
+
+/// Block-side counters, in this order; each has all / small / large. (The scheme: see the
+/// comment above.)
+pub(crate) const ALLOCATION: usize = 0;
+pub(crate) const ACTIVE: usize = 1;
+pub(crate) const INACTIVE_SPLIT: usize = 2;
+pub(crate) const ALLOCATED_BYTES: usize = 3;
+pub(crate) const ACTIVE_BYTES: usize = 4;
+pub(crate) const INACTIVE_SPLIT_BYTES: usize = 5;
+pub(crate) const REQUESTED_BYTES: usize = 6;
+pub(crate) const OVERSIZE_ALLOCATIONS: usize = 7;
+const STATS: usize = 8;
+/// Entries: counter * 3 + (0 all, 1 small, 2 large).
+pub(crate) const N: usize = STATS * 3;
+
+/// How far below its committed value a thread's count may fall before it commits.
+const COUNT_SLACK: i64 = 64;
+/// The least byte slack; a thread's grows to twice the largest block it freed into its cache.
+pub(crate) const MIN_BYTE_SLACK: i64 = 16 << 20;
+const MAX_BYTE_SLACK: i64 = 4 << 30;
+
+fn is_bytes(i: usize) -> bool {
+    matches!(i / 3, ALLOCATED_BYTES | ACTIVE_BYTES | INACTIVE_SPLIT_BYTES | REQUESTED_BYTES)
+}
+
+/// Changes to the block-side counters made under the allocator's lock, applied to the calling
+/// thread's [`ThreadStats`] once the lock is let go.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Delta {
+    d: [i64; N],
+    inc: [u64; N],
+    /// Bit `i`: entry `i` changed.
+    touched: u32,
+}
+
+impl Delta {
+    #[inline(always)]
+    fn add(&mut self, s: usize, small: bool, n: usize) {
+        let j = s * 3 + 2 - small as usize;
+        self.d[s * 3] += n as i64;
+        self.d[j] += n as i64;
+        self.inc[s * 3] += n as u64;
+        self.inc[j] += n as u64;
+        self.touched |= (1 << (s * 3)) | (1 << j);
+    }
+
+    #[inline(always)]
+    fn sub(&mut self, s: usize, small: bool, n: usize) {
+        let j = s * 3 + 2 - small as usize;
+        self.d[s * 3] -= n as i64;
+        self.d[j] -= n as i64;
+        self.touched |= (1 << (s * 3)) | (1 << j);
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.touched == 0
+    }
+
+    /// Empties it.
+    pub(crate) fn clear(&mut self) {
+        let mut t = self.touched;
+        while t != 0 {
+            let i = t.trailing_zeros() as usize;
+            t &= t - 1;
+            self.d[i] = 0;
+            self.inc[i] = 0;
+        }
+        self.touched = 0;
+    }
+
+    /// A block of `size` bytes (`requested` asked for) handed out.
+    #[inline(always)]
+    pub(crate) fn on_alloc(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
+        self.add(ALLOCATION, small, 1);
+        self.add(ALLOCATED_BYTES, small, size);
+        self.add(ACTIVE, small, 1);
+        self.add(ACTIVE_BYTES, small, size);
+        self.add(REQUESTED_BYTES, small, requested);
+        if oversize {
+            self.add(OVERSIZE_ALLOCATIONS, false, 1);
+        }
+    }
+
+    /// Its owner freed a block; it stays active until it is back in its free set.
+    #[inline(always)]
+    pub(crate) fn on_free_requested(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
+        self.sub(ALLOCATION, small, 1);
+        self.sub(ALLOCATED_BYTES, small, size);
+        self.sub(REQUESTED_BYTES, small, requested);
+        if oversize {
+            self.sub(OVERSIZE_ALLOCATIONS, false, 1);
+        }
+    }
+
+    /// A freed block is back in its free set (every stream that used it is done).
+    #[inline(always)]
+    pub(crate) fn on_free_completed(&mut self, small: bool, size: usize) {
+        self.sub(ACTIVE, small, 1);
+        self.sub(ACTIVE_BYTES, small, size);
+    }
+
+    /// A free block of a split segment entered (`add`) or left the inactive-split counts.
+    #[inline(always)]
+    pub(crate) fn on_inactive_split(&mut self, small: bool, size: usize, add: bool) {
+        if add {
+            self.add(INACTIVE_SPLIT, small, 1);
+            self.add(INACTIVE_SPLIT_BYTES, small, size);
+        } else {
+            self.sub(INACTIVE_SPLIT, small, 1);
+            self.sub(INACTIVE_SPLIT_BYTES, small, size);
+        }
+    }
+}
+
+/// The device-wide side of the peaks: `g[i]` = Σ over threads of their committed values,
+/// `peak[i]` the highest `g[i]` since the last reset.
+#[derive(Debug)]
+pub(crate) struct Board {
+    g: [AtomicI64; N],
+    peak: [AtomicI64; N],
+}
+
+impl Default for Board {
+    fn default() -> Board {
+        Board { g: std::array::from_fn(|_| AtomicI64::new(0)), peak: std::array::from_fn(|_| AtomicI64::new(0)) }
+    }
+}
+
+/// One thread's block-side counters (see the comment above [`ALLOCATION`]). Written by their
+/// thread only (a load and a store, no read-modify-write: nothing is shared on the hot path),
+/// or, for a thread that has exited or has no locals left, under the registry's `retired`
+/// lock; read by anyone.
+#[derive(Debug)]
+pub(crate) struct ThreadStats {
+    cur: [AtomicI64; N],
+    total: [AtomicU64; N],
+    committed: [AtomicI64; N],
+}
+
+impl Default for ThreadStats {
+    fn default() -> ThreadStats {
+        ThreadStats {
+            cur: std::array::from_fn(|_| AtomicI64::new(0)),
+            total: std::array::from_fn(|_| AtomicU64::new(0)),
+            committed: std::array::from_fn(|_| AtomicI64::new(0)),
+        }
+    }
+}
+
+/// How far a thread's counter may lag below what it committed (`byte_slack` for byte counters).
+#[inline(always)]
+fn slack_of(i: usize, byte_slack: i64) -> i64 {
+    if is_bytes(i) {
+        byte_slack
+    } else {
+        COUNT_SLACK
+    }
+}
+
+/// The byte slack a thread that caches blocks of `size` bytes wants: twice that, at least
+/// [`MIN_BYTE_SLACK`], at most 4 GiB.
+pub(crate) fn slack_for(size: usize) -> i64 {
+    (size as i64).saturating_mul(2).clamp(MIN_BYTE_SLACK, MAX_BYTE_SLACK)
+}
+
+impl ThreadStats {
+    /// Its thread (the only writer of `cur` and `total`) changes entry `i` by `n`.
+    #[inline(always)]
+    fn bump(&self, board: &Board, i: usize, n: i64, byte_slack: i64) {
+        let c = self.cur[i].load(Ordering::Relaxed) + n;
+        self.cur[i].store(c, Ordering::Relaxed);
+        if n > 0 {
+            let t = self.total[i].load(Ordering::Relaxed) + n as u64;
+            self.total[i].store(t, Ordering::Relaxed);
+        }
+        let k = self.committed[i].load(Ordering::Relaxed);
+        if c > k || k - c > slack_of(i, byte_slack) {
+            self.commit(board, i);
+        }
+    }
+
+    #[inline(never)]
+    fn commit(&self, board: &Board, i: usize) {
+        let c = self.cur[i].load(Ordering::Relaxed);
+        let d = c - self.committed[i].load(Ordering::Relaxed);
+        if d == 0 {
+            return;
+        }
+        let g = board.g[i].fetch_add(d, Ordering::Relaxed) + d;
+        // A read first: most commits set no new peak, and a load leaves the line shared.
+        if d > 0 && g > board.peak[i].load(Ordering::Relaxed) {
+            board.peak[i].fetch_max(g, Ordering::Relaxed);
+        }
+        self.committed[i].store(c, Ordering::Relaxed);
+    }
+
+    #[inline(always)]
+    fn change(&self, board: &Board, s: usize, small: bool, n: i64, byte_slack: i64) {
+        self.bump(board, s * 3, n, byte_slack);
+        self.bump(board, s * 3 + 2 - small as usize, n, byte_slack);
+    }
+
+    /// A cached block handed out again by its thread (as `Delta::on_alloc`; `split`: it leaves
+    /// the inactive-split counts).
+    #[inline(always)]
+    pub(crate) fn on_reuse(&self, board: &Board, slack: i64, small: bool, size: usize, requested: usize, split: bool) {
+        if split {
+            self.change(board, INACTIVE_SPLIT, small, -1, slack);
+            self.change(board, INACTIVE_SPLIT_BYTES, small, -(size as i64), slack);
+        }
+        self.change(board, ALLOCATION, small, 1, slack);
+        self.change(board, ALLOCATED_BYTES, small, size as i64, slack);
+        self.change(board, ACTIVE, small, 1, slack);
+        self.change(board, ACTIVE_BYTES, small, size as i64, slack);
+        self.change(board, REQUESTED_BYTES, small, requested as i64, slack);
+    }
+
+    /// A block freed into its thread's cache: no longer allocated nor active; a block of a split
+    /// segment counts as inactive-split, as it would in its free set.
+    #[inline(always)]
+    pub(crate) fn on_cache(&self, board: &Board, slack: i64, small: bool, size: usize, requested: usize, split: bool) {
+        self.change(board, ALLOCATION, small, -1, slack);
+        self.change(board, ALLOCATED_BYTES, small, -(size as i64), slack);
+        self.change(board, REQUESTED_BYTES, small, -(requested as i64), slack);
+        self.change(board, ACTIVE, small, -1, slack);
+        self.change(board, ACTIVE_BYTES, small, -(size as i64), slack);
+        if split {
+            self.change(board, INACTIVE_SPLIT, small, 1, slack);
+            self.change(board, INACTIVE_SPLIT_BYTES, small, size as i64, slack);
+        }
+    }
+
+    /// Takes in what a locked section changed (its thread only, or under a lock that makes the
+    /// caller the only writer).
+    pub(crate) fn apply(&self, board: &Board, slack: i64, d: &Delta) {
+        let mut t = d.touched;
+        while t != 0 {
+            let i = t.trailing_zeros() as usize;
+            t &= t - 1;
+            {
+                let c = self.cur[i].load(Ordering::Relaxed) + d.d[i];
+                self.cur[i].store(c, Ordering::Relaxed);
+                let t = self.total[i].load(Ordering::Relaxed) + d.inc[i];
+                self.total[i].store(t, Ordering::Relaxed);
+                let k = self.committed[i].load(Ordering::Relaxed);
+                if c > k || k - c > slack_of(i, slack) {
+                    self.commit(board, i);
+                }
+            }
+        }
+    }
+
+    /// Commits every counter (by its only writer).
+    pub(crate) fn commit_all(&self, board: &Board) {
+        for i in 0..N {
+            self.commit(board, i);
+        }
+    }
+
+    /// Adds the counters of a thread that has exited (committed values included: `g` stays
+    /// Σ committed), then commits; the caller is the only writer of `self`.
+    pub(crate) fn absorb(&self, board: &Board, other: &ThreadStats) {
+        for i in 0..N {
+            let add = |a: &AtomicI64, b: &AtomicI64| {
+                a.store(a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed), Ordering::Relaxed)
+            };
+            add(&self.cur[i], &other.cur[i]);
+            add(&self.committed[i], &other.committed[i]);
+            let t = self.total[i].load(Ordering::Relaxed) + other.total[i].load(Ordering::Relaxed);
+            self.total[i].store(t, Ordering::Relaxed);
+            self.commit(board, i);
+        }
+    }
+
+    /// Adds the current values and totals into `sum`.
+    pub(crate) fn add_into(&self, sum: &mut Sum) {
+        for i in 0..N {
+            sum.cur[i] += self.cur[i].load(Ordering::Relaxed);
+            sum.total[i] += self.total[i].load(Ordering::Relaxed);
+        }
+    }
+}
+
+impl Board {
+    fn peak(&self, i: usize) -> i64 {
+        self.peak[i].load(Ordering::Relaxed)
+    }
+
+    /// The peaks start again from `now` (the current values summed over threads). A thread's
+    /// uncommitted decreases still count in `g`: with other threads holding slack, the next
+    /// peak may read that much high.
+    pub(crate) fn reset_peaks(&self, now: &Sum) {
+        for i in 0..N {
+            self.peak[i].store(now.cur[i], Ordering::Relaxed);
+        }
+    }
+}
+
+/// The block-side counters summed over threads.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sum {
+    cur: [i64; N],
+    total: [u64; N],
+}
+
+impl Sum {
+    /// The device-wide current value of entry `i`.
+    pub(crate) fn current(&self, i: usize) -> i64 {
+        self.cur[i]
+    }
+
+    fn stat(&self, board: &Board, i: usize) -> Stat {
+        let current = self.cur[i];
+        Stat {
+            current,
+            // Never below the current value (at a quiescent point it cannot be; between
+            // commits of racing threads it could be read so).
+            peak: board.peak(i).max(current),
+            allocated: self.total[i],
+            freed: self.total[i].saturating_sub(current.max(0) as u64),
+        }
+    }
+
+    fn array(&self, board: &Board, s: usize) -> StatArray {
+        StatArray {
+            all: self.stat(board, s * 3),
+            small_pool: self.stat(board, s * 3 + 1),
+            large_pool: self.stat(board, s * 3 + 2),
         }
     }
 }
@@ -321,40 +624,30 @@ impl PoolCounters {
 
 impl Counters {
     pub(crate) fn reset_peak(&mut self) {
-        for t in [
-            &mut self.allocation,
-            &mut self.segment,
-            &mut self.active,
-            &mut self.inactive_split,
-            &mut self.allocated_bytes,
-            &mut self.reserved_bytes,
-            &mut self.active_bytes,
-            &mut self.inactive_split_bytes,
-            &mut self.requested_bytes,
-            &mut self.oversize_allocations,
-            &mut self.oversize_segments,
-        ] {
+        for t in [&mut self.segment, &mut self.reserved_bytes, &mut self.oversize_segments] {
             t.reset_peak();
         }
     }
 
-    pub(crate) fn report(&self, max_split_size: usize) -> MemoryStats {
+    /// The public figures: these counters, and `blocks` (the block-side counters summed over
+    /// threads) with the peaks of `board`.
+    pub(crate) fn report(&self, blocks: &Sum, board: &Board, max_split_size: usize) -> MemoryStats {
         MemoryStats {
-            allocation: self.allocation.array(),
+            allocation: blocks.array(board, ALLOCATION),
             segment: self.segment.array(),
-            active: self.active.array(),
-            inactive_split: self.inactive_split.array(),
-            allocated_bytes: self.allocated_bytes.array(),
+            active: blocks.array(board, ACTIVE),
+            inactive_split: blocks.array(board, INACTIVE_SPLIT),
+            allocated_bytes: blocks.array(board, ALLOCATED_BYTES),
             reserved_bytes: self.reserved_bytes.array(),
-            active_bytes: self.active_bytes.array(),
-            inactive_split_bytes: self.inactive_split_bytes.array(),
-            requested_bytes: self.requested_bytes.array(),
+            active_bytes: blocks.array(board, ACTIVE_BYTES),
+            inactive_split_bytes: blocks.array(board, INACTIVE_SPLIT_BYTES),
+            requested_bytes: blocks.array(board, REQUESTED_BYTES),
             num_alloc_retries: self.num_alloc_retries,
             num_ooms: self.num_ooms,
             num_sync_all_streams: self.num_sync_all_streams,
             num_device_alloc: self.num_device_alloc,
             num_device_free: self.num_device_free,
-            oversize_allocations: self.oversize_allocations.stat(0),
+            oversize_allocations: blocks.stat(board, OVERSIZE_ALLOCATIONS * 3),
             oversize_segments: self.oversize_segments.stat(0),
             max_split_size,
         }

@@ -286,3 +286,38 @@ fn host_backend_is_pinned_when_a_gpu_is_present() {
     let s = unsafe { std::slice::from_raw_parts(b.device_ptr_raw() as *const u64, 1000) };
     assert!(s.iter().all(|&x| x == 0));
 }
+
+/// Sixteen threads, a stream each, reuse their cached blocks while every byte they wrote is
+/// read back intact; statistics are exact when they are done, and `empty_cache` takes back
+/// what their caches held.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn threads_on_their_own_streams_reuse_cached_blocks_safely() {
+    let a = gpu();
+    let before = a.memory_stats();
+    std::thread::scope(|s| {
+        for t in 0..16u32 {
+            let a = a.clone();
+            s.spawn(move || {
+                let stream = a.context().new_stream().unwrap();
+                let _on = a.set_stream(&stream).unwrap();
+                let mut seen = std::collections::HashSet::new();
+                for i in 0..200u32 {
+                    let n = [128usize, 1024, 16 << 10, 256 << 10][(i % 4) as usize];
+                    let want: Vec<u32> = (0..n as u32).map(|k| t << 24 ^ i << 12 ^ k).collect();
+                    let mut b = a.alloc::<u32>(n).unwrap();
+                    seen.insert(b.device_ptr_raw());
+                    stream.memcpy_htod(&want, &mut b).unwrap();
+                    assert_eq!(stream.clone_dtoh(&b).unwrap(), want, "thread {t}, step {i}");
+                }
+                assert!(seen.len() <= 8, "thread {t}: {} addresses for four sizes: the cache was not used", seen.len());
+            });
+        }
+    });
+    let s = a.memory_stats();
+    assert_eq!(s.allocated_bytes.all.current, before.allocated_bytes.all.current);
+    assert_eq!(s.allocation.all.allocated - before.allocation.all.allocated, 16 * 200);
+    a.empty_cache().unwrap();
+    let after = a.memory_stats().reserved_bytes.all.current;
+    assert!(after <= before.reserved_bytes.all.current, "cached blocks kept segments: {after} bytes reserved");
+}

@@ -7,7 +7,7 @@ use std::path::Path;
 
 /// `mempool`, bottom first. A module may use modules of earlier rows only.
 const LAYERS: &[&[&str]] = &[
-    &["id", "format", "rules", "elem"],
+    &["id", "format", "rules", "elem", "sync"],
     &["error"],
     &["config", "backend"],
     &["stats", "trace", "counting"],

@@ -9,9 +9,12 @@ use mempool::{Allocator, BlockState, Config, Error, Sim, StreamId};
 const BASE: u64 = SimDevice::BASE;
 const MIB: usize = 1 << 20;
 
+/// PyTorch's placement rules, block by block: without the thread caches, which reuse a block
+/// freed by the same thread for the same request before best fit looks (`thread_cache.rs`).
 fn setup(capacity: usize) -> (std::sync::Arc<SimDevice>, Allocator<Sim>) {
     let sim = SimDevice::new(capacity);
-    (sim.clone(), Allocator::sim(sim))
+    let config = mempool::Config::builder().thread_cache(false).build().expect("a valid config");
+    (sim.clone(), Allocator::sim_with(sim, config))
 }
 
 fn states(a: &Allocator<Sim>, seg: usize) -> Vec<(u64, usize, BlockState)> {

@@ -24,8 +24,10 @@ mod events;
 mod freeset;
 mod segments;
 mod state;
+mod tcache;
 
 use std::cell::RefCell;
+use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
@@ -83,11 +85,19 @@ pub(crate) struct Request<'a> {
     pub(crate) keep: &'a dyn Fn() -> Option<Keep>,
 }
 
-/// A block handed out by [`DeviceAllocator::malloc`].
+/// A block handed out by [`DeviceAllocator::malloc`], and what its free needs to know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Allocation {
     pub(crate) block: BlockIdx,
     pub(crate) addr: u64,
+    /// The block's size.
+    pub(crate) size: usize,
+    /// It is in a small segment.
+    pub(crate) small: bool,
+    /// Its segment is split (this cannot change while the block is allocated).
+    pub(crate) split: bool,
+    /// A thread cache may take it when it is freed (default pools, not oversize).
+    pub(crate) cacheable: bool,
 }
 
 /// The caching allocator of one device, over any [`Backend`].
@@ -99,6 +109,51 @@ pub(crate) struct DeviceAllocator {
     outbox: Mutex<()>,
     /// Whether the outbox may hold work (checked without the lock on the way out of a call).
     has_work: AtomicBool,
+    /// The thread caches, and the device-wide side of the block statistics.
+    caches: tcache::Registry,
+    /// What rounds a request (fixed at creation; `State::config` holds the same).
+    rounding: Config,
+    /// Whether an error is kept for the next call (so that a thread-cache hit does not skip it).
+    has_error: AtomicBool,
+    /// Set by `Drop`: statistics are no longer kept.
+    closing: AtomicBool,
+}
+
+/// The state, locked; letting it go hands the section's block-statistics changes to the
+/// calling thread's counters (outside the lock: they live behind the thread cache's lock).
+struct Locked<'a> {
+    guard: Option<MutexGuard<'a, State>>,
+    owner: &'a DeviceAllocator,
+}
+
+impl Deref for Locked<'_> {
+    type Target = State;
+    #[inline(always)]
+    fn deref(&self) -> &State {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl DerefMut for Locked<'_> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut State {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for Locked<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        let Some(mut g) = self.guard.take() else { return };
+        self.owner.has_error.store(g.error.is_some(), Ordering::Relaxed);
+        if g.delta.is_empty() {
+            return;
+        }
+        // This thread's counters take no lock (and the retired ones' lock is never held while
+        // the state lock is taken): applied here, under the state lock, with no copy.
+        self.owner.settle(&g.delta);
+        g.delta.clear();
+    }
 }
 
 impl std::fmt::Debug for DeviceAllocator {
@@ -121,11 +176,15 @@ impl DeviceAllocator {
         };
         let device = backend.device();
         DeviceAllocator {
+            rounding: config.clone(),
             state: Mutex::new(State::new(config, limit, default_pool, id, device)),
             backend,
             id,
             outbox: Mutex::new(()),
             has_work: AtomicBool::new(false),
+            caches: tcache::Registry::default(),
+            has_error: AtomicBool::new(false),
+            closing: AtomicBool::new(false),
         }
     }
 
@@ -138,17 +197,45 @@ impl DeviceAllocator {
     }
 
     #[inline(always)]
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> Locked<'_> {
         // Nothing panics while the lock is held (user code runs outside it); if something did,
         // the state is still the best there is, and `Drop` paths must not panic on a poisoned lock.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        Locked { guard: Some(self.state.lock().unwrap_or_else(|p| p.into_inner())), owner: self }
+    }
+
+    /// Block-statistics changes made under the lock, into this thread's counters.
+    #[cold]
+    fn settle(&self, d: &crate::stats::Delta) {
+        if !self.closing.load(Ordering::Relaxed) {
+            self.caches.settle(self.id, d);
+        }
+    }
+
+    /// Takes every block out of every thread cache and files it in its free set; whether there
+    /// was any.
+    fn drain_caches(&self) -> bool {
+        let mut blocks = Vec::new();
+        self.caches.drain_all(&mut blocks);
+        self.free_cached(&blocks);
+        !blocks.is_empty()
+    }
+
+    fn free_cached(&self, blocks: &[BlockIdx]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let mut st = self.lock();
+        for &b in blocks {
+            st.free_cached(b);
+        }
+        self.unlock(st, false);
     }
 
     /// Unlocks, then runs the outbox if the call queued anything (or work is left over from a
     /// runner that stopped); `wait`: even if another thread is running it now (for calls that
     /// promise the work is done when they return).
     #[inline(always)]
-    fn unlock(&self, st: MutexGuard<'_, State>, wait: bool) {
+    fn unlock(&self, st: Locked<'_>, wait: bool) {
         let queued = !st.outbox.is_empty();
         let target = st.taken + st.outbox.len() as u64;
         if queued {
@@ -261,6 +348,45 @@ impl DeviceAllocator {
         if trace::in_hook() {
             return Err(Error::Reentrant);
         }
+        if req.pool.slot == 0
+            && self.rounding.thread_cache
+            && !self.has_error.load(Ordering::Relaxed)
+            && !trace::enabled()
+        {
+            if let Some(a) = self.take_cached(req) {
+                return Ok(a);
+            }
+        }
+        self.malloc_locked(req).map_err(|e| self.completed_report(e))
+    }
+
+    /// A block of this thread's cache for `req` (default pools), if there is one.
+    #[inline(always)]
+    fn take_cached(&self, req: &Request<'_>) -> Option<Allocation> {
+        let rounded = round_size(req.size, self.rounding.divisions_for(req.size))?;
+        let stream = req.stream.key;
+        let board = &self.caches.board;
+        let h = self.caches.with_mine(self.id, |tc| tc.take(board, stream, rounded, req.size))??;
+        Some(Allocation {
+            block: h.block,
+            addr: h.addr,
+            size: rounded,
+            small: h.small,
+            split: h.split,
+            cacheable: true,
+        })
+    }
+
+    /// An out-of-memory report gets the allocated bytes summed over threads.
+    #[cold]
+    fn completed_report(&self, mut e: Error) -> Error {
+        if let Error::OutOfMemory(r) = &mut e {
+            r.allocated = self.caches.sum().current(crate::stats::ALLOCATED_BYTES * 3).max(0) as usize;
+        }
+        e
+    }
+
+    fn malloc_locked(&self, req: &Request<'_>) -> Result<Allocation> {
         let mut st = self.lock();
         if let Some(e) = st.error.take() {
             return Err(e);
@@ -281,9 +407,10 @@ impl DeviceAllocator {
         let no_split = st.no_split(slot);
         match st.best_fit(set, rounded, no_split) {
             Some(b) => {
-                let (block, addr) = st.take_block(b, rounded, req.size);
+                let (block, _) = st.take_block(b, rounded, req.size);
+                let a = st.allocation(block);
                 self.unlock(st, false);
-                Ok(Allocation { block, addr })
+                Ok(a)
             }
             None => {
                 drop(st);
@@ -303,6 +430,9 @@ impl DeviceAllocator {
         // Before any user code runs (hooks and frees run when the lock is let go, and may change
         // this thread's current stream): the request's stream is still the current one.
         let mut keep = Some((req.keep)());
+        // Blocks waiting in thread caches are free memory: they are filed (and merged) before
+        // any segment is made, so caching never grows what is reserved.
+        self.drain_caches();
         loop {
             let mut st = self.lock();
             let slot = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
@@ -311,9 +441,10 @@ impl DeviceAllocator {
             let no_split = st.no_split(slot);
             // Another thread may have freed a fitting block while the lock was let go.
             if let Some(b) = st.best_fit(set, rounded, no_split) {
-                let (block, addr) = st.take_block(b, rounded, req.size);
+                let (block, _) = st.take_block(b, rounded, req.size);
+                let a = st.allocation(block);
                 self.unlock(st, true);
-                return Ok(Allocation { block, addr });
+                return Ok(a);
             }
             if st.config.garbage_collection_threshold > 0.0 {
                 st.garbage_collect();
@@ -366,9 +497,10 @@ impl DeviceAllocator {
                         }
                     }
                     let block = st.insert_segment(addr, size, key, req.stream, seg_keep, true);
-                    let (block, addr) = st.take_block(block, rounded, req.size);
+                    let (block, _) = st.take_block(block, rounded, req.size);
+                    let a = st.allocation(block);
                     self.unlock(st, true);
-                    return Ok(Allocation { block, addr });
+                    return Ok(a);
                 }
                 Some((_, _, seg_keep)) if gone => {
                     keep = Some(seg_keep);
@@ -396,13 +528,15 @@ impl DeviceAllocator {
                 // (they may be registered, and `use_on_oom` lenders are tried below).
                 st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released || p.spec.id == id);
                 self.unlock(st, true);
+                self.drain_caches();
                 continue;
             }
             if slot == Slot::DEFAULT {
                 if let Some(b) = st.borrow_from_pools(req.stream.key, small, rounded) {
-                    let (block, addr) = st.take_block(b, rounded, req.size);
+                    let (block, _) = st.take_block(b, rounded, req.size);
+                    let a = st.allocation(block);
                     self.unlock(st, true);
-                    return Ok(Allocation { block, addr });
+                    return Ok(a);
                 }
             }
             let e = st.oom(be, req.size, slot);
@@ -443,6 +577,38 @@ impl DeviceAllocator {
         let mut st = self.lock();
         st.free(&*self.backend, block);
         self.unlock(st, false);
+    }
+
+    /// Its owner gives back a block it holds as `a` (allocated on `stream` for `requested`
+    /// bytes): into this thread's cache when nothing has to happen at its free (`used_elsewhere`:
+    /// another stream was recorded), else as [`free`](Self::free).
+    #[inline]
+    pub(crate) fn free_allocation(
+        &self,
+        a: &Allocation,
+        stream: crate::id::StreamKey,
+        requested: usize,
+        used_elsewhere: bool,
+    ) {
+        if a.cacheable && !used_elsewhere && self.rounding.thread_cache && !trace::enabled() {
+            let board = &self.caches.board;
+            let put = self
+                .caches
+                .with_mine(self.id, |tc| tc.put(board, stream, a.size, a.small, requested, a.block, a.addr, a.split));
+            match put {
+                Some(tcache::Put::Cached) => return,
+                Some(tcache::Put::Evicted(old)) => {
+                    let mut st = self.lock();
+                    for &b in old.iter().flatten() {
+                        st.free_cached(b);
+                    }
+                    self.unlock(st, false);
+                    return;
+                }
+                Some(tcache::Put::Refused) | None => {}
+            }
+        }
+        self.free(a.block);
     }
 
     /// Notes that `stream` uses the block; returns whether the stream is new to it. `keep` keeps
@@ -489,6 +655,7 @@ impl DeviceAllocator {
     /// default pools and of released pools (live user pools keep theirs: `MemPool::empty_cache`),
     /// and tries again the segments whose free failed before.
     pub(crate) fn empty_cache(&self) -> Result<()> {
+        self.drain_caches();
         let mut st = self.lock();
         st.synchronize_events(&*self.backend);
         st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released);
@@ -510,8 +677,11 @@ impl DeviceAllocator {
     }
 
     pub(crate) fn stats(&self) -> MemoryStats {
-        let st = self.lock();
-        st.stats.report(st.config.max_split_size)
+        let (counters, max_split) = {
+            let st = self.lock();
+            (st.stats.clone(), st.config.max_split_size)
+        };
+        counters.report(&self.caches.sum(), &self.caches.board, max_split)
     }
 
     pub(crate) fn pool_stats(&self, pool: PoolRef) -> PoolStats {
@@ -531,6 +701,7 @@ impl DeviceAllocator {
     }
 
     pub(crate) fn reset_peak_stats(&self) {
+        self.caches.reset_peaks(self.id);
         let mut st = self.lock();
         st.stats.reset_peak();
         for p in &mut st.pools {
@@ -588,6 +759,7 @@ impl DeviceAllocator {
     }
 
     pub(crate) fn snapshot(&self) -> Snapshot {
+        self.drain_caches();
         let st = self.lock();
         let mut segments: Vec<SegmentSnapshot> = st
             .segments
@@ -625,7 +797,13 @@ impl DeviceAllocator {
 impl Drop for DeviceAllocator {
     fn drop(&mut self) {
         let be = &*self.backend;
+        let mut cached = Vec::new();
+        self.caches.close(&mut cached);
+        self.closing.store(true, Ordering::Relaxed);
         let mut st = self.lock();
+        for b in cached {
+            st.free_cached(b);
+        }
         let raw: Vec<BlockIdx> = st.raw.drain().map(|(_, b)| b).collect();
         for b in raw {
             st.free(be, b);

@@ -251,7 +251,8 @@ impl State {
             requested,
             device_total: total,
             device_free: free,
-            allocated: self.stats.allocated_bytes.current() as usize,
+            // Summed over threads once the lock is let go (`DeviceAllocator::completed_report`).
+            allocated: 0,
             reserved: self.stats.reserved_bytes.current() as usize,
             limit: self.limit,
             pool: (pool != Slot::DEFAULT).then(|| (spec.id.0, spec.name.clone())),

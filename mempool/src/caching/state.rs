@@ -16,7 +16,7 @@ use crate::error::Error;
 use crate::id::{EventId, PoolId, PoolRef, StreamKey, StreamRef};
 use crate::rules::{self, should_split};
 use crate::snapshot::BlockState;
-use crate::stats::{Counters, PoolCounters};
+use crate::stats::{Counters, Delta, PoolCounters};
 use crate::trace::{Action, TraceEntry};
 
 /// A multiply-rotate hasher for the small integer keys of the allocator's maps: SipHash's
@@ -249,7 +249,11 @@ pub(super) struct State {
     pub(super) raw: IdMap<u64, BlockIdx>,
     /// Streams other than its segment's that used a block (only blocks with `has_uses`).
     pub(super) uses: IdMap<BlockIdx, Vec<Use>>,
+    /// Segment-side counters.
     pub(super) stats: Counters,
+    /// Block-side counter changes of the locked section under way, for the calling thread's
+    /// statistics (applied when the lock is let go: see `caching::Locked`).
+    pub(super) delta: Delta,
     pub(super) tick: u64,
     pub(super) error: Option<Error>,
     /// Events and segment frees for outside the lock (see `DeviceAllocator::flush`).
@@ -296,6 +300,7 @@ impl State {
             raw: IdMap::default(),
             uses: IdMap::default(),
             stats: Counters::default(),
+            delta: Delta::default(),
             tick: 0,
             error: None,
             outbox: Vec::new(),
@@ -433,7 +438,7 @@ impl State {
         let blk = self.block(b);
         if blk.state == BlockState::Free && blk.is_split() {
             let (small, size) = (blk.small, blk.size);
-            self.stats.on_inactive_split(small, size, add);
+            self.delta.on_inactive_split(small, size, add);
         }
     }
 
@@ -475,7 +480,7 @@ impl State {
         b.requested = requested;
         let (size, addr) = (b.size, b.addr);
         let oversize = size >= self.config.max_split_size;
-        self.stats.on_alloc(small, size, requested, oversize);
+        self.delta.on_alloc(small, size, requested, oversize);
         if pool != Slot::DEFAULT {
             self.pools[pool.get()].stats.on_alloc(size, requested);
         }
@@ -483,6 +488,20 @@ impl State {
             self.emit(Action::Alloc, block);
         }
         (block, addr)
+    }
+
+    /// What a caller holds of an allocated block.
+    #[inline(always)]
+    pub(super) fn allocation(&self, block: BlockIdx) -> super::Allocation {
+        let b = self.block(block);
+        super::Allocation {
+            block,
+            addr: b.addr,
+            size: b.size,
+            small: b.small,
+            split: b.is_split(),
+            cacheable: b.pool == Slot::DEFAULT && b.size < self.config.max_split_size,
+        }
     }
 
     /// Its owner gives a block back: uncounted, and either free at once or, if other streams
@@ -504,7 +523,7 @@ impl State {
             Vec::new()
         };
         let oversize = size >= self.config.max_split_size;
-        self.stats.on_free_requested(small, size, requested, oversize);
+        self.delta.on_free_requested(small, size, requested, oversize);
         if pool != Slot::DEFAULT {
             self.pools[pool.get()].stats.on_free_requested(size, requested);
         }
@@ -526,12 +545,48 @@ impl State {
         if crate::trace::enabled() {
             self.emit(Action::FreeCompleted, block);
         }
+        let b = self.block(block);
+        let (small, size) = (b.small, b.size);
+        self.delta.on_free_completed(small, size);
+        self.file_free(block);
+    }
+
+    /// A block a thread cache held goes back to its free set: its owner's free and its
+    /// completion were counted when it was cached (as inactive-split if its segment is split),
+    /// so only the filing is left.
+    pub(super) fn free_cached(&mut self, block: BlockIdx) {
+        let b = self.block(block);
+        if b.state != BlockState::Allocated {
+            debug_assert!(false, "a cached block that is not allocated: {block:?}");
+            return;
+        }
+        if crate::trace::enabled() {
+            self.emit(Action::FreeRequested, block);
+            self.emit(Action::FreeCompleted, block);
+        }
+        // It is filed below as any freed block, which counts the merged block as inactive-split
+        // afresh; its own count from the cache goes first.
+        self.count_inactive_as_free(block, false);
+        self.file_free(block);
+    }
+
+    /// Counts or uncounts `b` as an inactive-split block as if it were free.
+    fn count_inactive_as_free(&mut self, b: BlockIdx, add: bool) {
+        let blk = self.block(b);
+        if blk.is_split() {
+            let (small, size) = (blk.small, blk.size);
+            self.delta.on_inactive_split(small, size, add);
+        }
+    }
+
+    /// Marks a block free, merges it with free neighbours and files it in its set.
+    #[inline]
+    fn file_free(&mut self, block: BlockIdx) {
         let b = self.block_mut(block);
-        let (small, size, pool) = (b.small, b.size, b.pool);
+        let pool = b.pool;
         b.state = BlockState::Free;
         b.requested = 0;
         b.pending = 0;
-        self.stats.on_free_completed(small, size);
         let mut cur = block;
         if let Some(prev) = self.block(cur).prev {
             if self.block(prev).state == BlockState::Free {

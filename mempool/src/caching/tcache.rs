@@ -1,0 +1,507 @@
+//! Thread caches: each thread keeps, per allocator, the default-pool blocks it freed most
+//! recently, binned by (stream, bytes asked for), and hands them out again without taking any lock;
+//! and its own block-side statistics ([`ThreadStats`]).
+//!
+//! **Ownership of a cached block.** Each cache has `BINS × PER_BIN` slots, atomic words that
+//! hold a block (its index and whether its segment is split) or 0. Only the owning thread
+//! writes a block into a slot, and only into a slot that is 0; anyone may take a block out,
+//! and only by swapping the slot to 0. So exactly one party gets each block: the owner reusing
+//! it (`take`), the owner evicting it (`put`), or another thread draining the cache (`drain`,
+//! for `empty_cache`, snapshots, the out-of-memory ladder, before a new segment is made, and
+//! the allocator's `Drop`). The owner's hot path is one plain store (free) or one swap (reuse)
+//! on a cache line no other thread writes unless it drains; the bin keys (stream, size), counts
+//! and addresses are the owner's own, in its thread-local storage.
+//!
+//! Owner invariant: in each bin, the slots at or above the owner's count are 0 (the owner
+//! stores only at its count and then raises it; it lowers the count only after swapping the
+//! slot below to 0; drains only write 0). A drain may empty slots below the count; the owner
+//! finds them 0 and walks down.
+//!
+//! A cached block stays `Allocated` in the allocator's state (its segment cannot be given back,
+//! nothing else can carve it) while the statistics count it as free: its thread counted the free
+//! when it cached it. A taken-out block goes back through `State::free_cached`, which files it
+//! as any freed block (merging it with its neighbours).
+//!
+//! Only blocks that need nothing at free time are cached: default pools (user pools are released
+//! when their last block is freed), no other stream recorded, not oversize, no trace hook or
+//! history active (the hooks see every allocation and free).
+//!
+//! Locks here: the registry's list (a cache made, drains, sums), then `retired`. The
+//! allocator's state lock may be held when they are taken (a thread's first call makes its
+//! cache; statistics of a thread with no locals go to `retired`), never the other way round.
+
+use std::cell::RefCell;
+
+use super::state::BlockIdx;
+use crate::id::{AllocatorId, StreamKey};
+use crate::stats::{slack_for, Board, Sum, ThreadStats, MIN_BYTE_SLACK};
+use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering};
+
+/// Bins per thread cache (direct-mapped on (stream, bytes asked for)); two under loom, whose
+/// models must stay small enough to explore.
+const BINS: usize = if cfg!(loom) { 2 } else { 64 };
+/// Blocks per bin.
+const PER_BIN: usize = if cfg!(loom) { 3 } else { 4 };
+/// Bytes one thread cache holds at most.
+const MAX_BYTES: usize = 1 << 30;
+
+/// A slot's word for a block: its index (free-set key, never 0) and its split flag.
+fn pack(block: BlockIdx, split: bool) -> u64 {
+    (u64::from(block.to_key()) << 1) | u64::from(split)
+}
+
+fn unpack(v: u64) -> (BlockIdx, bool) {
+    (BlockIdx::from_key((v >> 1) as u32), v & 1 == 1)
+}
+
+/// The part of a thread cache other threads reach.
+#[derive(Debug)]
+pub(super) struct Shared {
+    slots: Box<[[AtomicU64; PER_BIN]]>,
+    /// Set by the owner when it caches a block, cleared by a drain (which then looks at every
+    /// slot): a drain skips caches that have cached nothing since the last one.
+    filled: AtomicBool,
+    /// Drains so far, so the owner can recount what it holds.
+    drains: AtomicU64,
+    /// Its thread has exited: the next drain folds its statistics into `retired` and forgets it.
+    orphan: AtomicBool,
+    pub(super) stats: ThreadStats,
+}
+
+impl Shared {
+    fn new() -> Shared {
+        Shared {
+            slots: (0..BINS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect(),
+            filled: AtomicBool::new(false),
+            drains: AtomicU64::new(0),
+            orphan: AtomicBool::new(false),
+            stats: ThreadStats::default(),
+        }
+    }
+
+    /// Takes every cached block out (their statistics stay as they are: free).
+    pub(super) fn drain(&self, into: &mut Vec<BlockIdx>) {
+        if !self.filled.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        for bin in self.slots.iter() {
+            for s in bin {
+                let v = s.swap(0, Ordering::AcqRel);
+                if v != 0 {
+                    into.push(unpack(v).0);
+                }
+            }
+        }
+        self.drains.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// The owner's side of a bin.
+#[derive(Debug, Clone, Copy)]
+struct Meta {
+    stream: StreamKey,
+    size: usize,
+    /// The bytes asked for when these blocks were allocated (as the allocator's state records
+    /// them): a block is reused only for a request of the same size, so the state stays exact.
+    requested: usize,
+    small: bool,
+    n: usize,
+    addr: [u64; PER_BIN],
+}
+
+const EMPTY: Meta = Meta { stream: StreamKey(0), size: 0, requested: 0, small: false, n: 0, addr: [0; PER_BIN] };
+
+/// A thread's cache of one allocator, as its thread holds it.
+#[derive(Debug)]
+pub(super) struct Owner {
+    shared: Arc<Shared>,
+    meta: Box<[Meta]>,
+    /// Bytes in the bins by the owner's counts (drained blocks included until it recounts).
+    bytes: usize,
+    /// Drains seen.
+    drains: u64,
+    /// Byte slack of its statistics (see `stats`).
+    pub(super) slack: i64,
+    /// Blocks cached and reused in the current window of `WINDOW` puts.
+    puts: u32,
+    hits: u32,
+    /// Frees left to pass by the cache: a thread whose frees are rarely reused (sizes that do
+    /// not repeat) stops paying for caching and evicting for a while.
+    bypass: u32,
+}
+
+/// Puts per window of the hit-rate check.
+const WINDOW: u32 = 256;
+/// Frees a low hit rate sends past the cache.
+const BYPASS: u32 = 4096;
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.shared.orphan.store(true, Ordering::Release);
+    }
+}
+
+#[inline(always)]
+fn bin_of(stream: StreamKey, requested: usize) -> usize {
+    let h = (stream.0 ^ (requested as u64).rotate_left(17)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (h >> 58) as usize % BINS
+}
+
+/// What `put` did.
+#[derive(Debug)]
+pub(super) enum Put {
+    Cached,
+    /// Cached, in place of these blocks (another (stream, size, bytes asked for) held the bin); they go back to
+    /// the allocator.
+    Evicted([Option<BlockIdx>; PER_BIN]),
+    /// Not cached (the bin or the cache is full): the caller frees it as usual.
+    Refused,
+}
+
+/// A block taken from a cache.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Hit {
+    pub(super) block: BlockIdx,
+    pub(super) addr: u64,
+    pub(super) small: bool,
+    pub(super) split: bool,
+}
+
+impl Owner {
+    pub(super) fn new(shared: Arc<Shared>) -> Owner {
+        Owner {
+            shared,
+            meta: vec![EMPTY; BINS].into_boxed_slice(),
+            bytes: 0,
+            drains: 0,
+            slack: MIN_BYTE_SLACK,
+            puts: 0,
+            hits: 0,
+            bypass: 0,
+        }
+    }
+
+    pub(super) fn stats(&self) -> &ThreadStats {
+        &self.shared.stats
+    }
+
+    /// A cached block for a request of `size` bytes (rounded) on `stream`, counted as allocated.
+    #[inline(always)]
+    pub(super) fn take(&mut self, board: &Board, stream: StreamKey, size: usize, requested: usize) -> Option<Hit> {
+        let i = bin_of(stream, requested);
+        let m = &mut self.meta[i];
+        if m.n == 0 || m.requested != requested || m.size != size || m.stream != stream {
+            return None;
+        }
+        // Walk down past slots a drain emptied.
+        while m.n > 0 {
+            m.n -= 1;
+            self.bytes -= size;
+            let v = self.shared.slots[i][m.n].swap(0, Ordering::Acquire);
+            if v != 0 {
+                let (block, split) = unpack(v);
+                let hit = Hit { block, addr: m.addr[m.n], small: m.small, split };
+                self.hits += 1;
+                self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
+                return Some(hit);
+            }
+        }
+        None
+    }
+
+    /// Caches a block of `size` bytes at `addr` on `stream`, freed by its owner, counted as free.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn put(
+        &mut self,
+        board: &Board,
+        stream: StreamKey,
+        size: usize,
+        small: bool,
+        requested: usize,
+        block: BlockIdx,
+        addr: u64,
+        split: bool,
+    ) -> Put {
+        if self.bypass > 0 {
+            self.bypass -= 1;
+            return Put::Refused;
+        }
+        self.puts += 1;
+        if self.puts == WINDOW {
+            // Fewer than one in four cached blocks reused: caching only costs here.
+            if self.hits < WINDOW / 4 {
+                self.bypass = BYPASS;
+            }
+            self.puts = 0;
+            self.hits = 0;
+        }
+        let drains = self.shared.drains.load(Ordering::Acquire);
+        if drains != self.drains {
+            self.recount(drains);
+        }
+        if self.bytes + size > MAX_BYTES {
+            return Put::Refused;
+        }
+        let i = bin_of(stream, requested);
+        let mut out = Put::Cached;
+        let m = self.meta[i];
+        if m.n > 0 && (m.requested != requested || m.size != size || m.stream != stream) {
+            let mut old = [None; PER_BIN];
+            for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
+                let v = s.swap(0, Ordering::Acquire);
+                if v != 0 {
+                    *o = Some(unpack(v).0);
+                }
+            }
+            self.bytes -= m.size * m.n;
+            self.meta[i] = EMPTY;
+            out = Put::Evicted(old);
+        } else if m.n == PER_BIN {
+            return Put::Refused;
+        }
+        let m = &mut self.meta[i];
+        if m.n == 0 {
+            *m = Meta { stream, size, requested, small, n: 0, addr: [0; PER_BIN] };
+        }
+        // The slot at the count is 0 (owner invariant): nobody else writes a block into it.
+        // Under loom a swap, checking that: loom lets a plain store slip between the read and
+        // the write of another thread's swap (tokio-rs/loom#254, which C11 forbids); a swap
+        // that finds the 0 it expects is the same step.
+        #[cfg(not(loom))]
+        self.shared.slots[i][m.n].store(pack(block, split), Ordering::Release);
+        #[cfg(loom)]
+        assert_eq!(self.shared.slots[i][m.n].swap(pack(block, split), Ordering::AcqRel), 0, "owner invariant");
+        m.addr[m.n] = addr;
+        m.n += 1;
+        self.bytes += size;
+        self.shared.filled.store(true, Ordering::Release);
+        self.slack = self.slack.max(slack_for(size));
+        self.shared.stats.on_cache(board, self.slack, small, size, requested, split);
+        out
+    }
+
+    /// After a drain: bins whose slots are all 0 are empty again, and the bytes are recounted.
+    #[cold]
+    fn recount(&mut self, drains: u64) {
+        self.drains = drains;
+        self.bytes = 0;
+        for (i, m) in self.meta.iter_mut().enumerate() {
+            if m.n == 0 {
+                continue;
+            }
+            let held = self.shared.slots[i][..m.n].iter().filter(|s| s.load(Ordering::Acquire) != 0).count();
+            if held == 0 {
+                // Every slot is 0 and only the owner fills them: the bin is empty.
+                m.n = 0;
+            } else {
+                self.bytes += m.size * m.n;
+            }
+        }
+    }
+}
+
+/// An allocator's thread caches.
+#[derive(Debug, Default)]
+pub(super) struct Registry {
+    list: Mutex<Vec<Arc<Shared>>>,
+    /// The statistics of threads that have exited (and of calls made while a thread's locals
+    /// were already gone), written under its commit lock only.
+    retired: ThreadStats,
+    retired_lock: Mutex<()>,
+    pub(super) board: Board,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(not(loom))]
+thread_local! {
+    /// This thread's caches, one per allocator it used.
+    static MINE: RefCell<Vec<(AllocatorId, Owner)>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Registry {
+    /// A new cache, listed.
+    pub(super) fn make(&self) -> Owner {
+        let s = Arc::new(Shared::new());
+        lock(&self.list).push(s.clone());
+        Owner::new(s)
+    }
+
+    /// Runs `f` on this thread's cache of allocator `id` (made on first use); `None` when this
+    /// thread's locals are gone (it is exiting) or in use (a call from inside `f`).
+    #[cfg(not(loom))]
+    #[inline(always)]
+    pub(super) fn with_mine<R>(&self, id: AllocatorId, f: impl FnOnce(&mut Owner) -> R) -> Option<R> {
+        MINE.try_with(|m| {
+            let mut m = m.try_borrow_mut().ok()?;
+            let i = match m.iter().position(|(i, _)| *i == id) {
+                Some(i) => i,
+                None => self.make_mine(&mut m, id),
+            };
+            Some(f(&mut m[i].1))
+        })
+        .ok()
+        .flatten()
+    }
+
+    #[cfg(not(loom))]
+    #[cold]
+    #[inline(never)]
+    fn make_mine(&self, mine: &mut Vec<(AllocatorId, Owner)>, id: AllocatorId) -> usize {
+        // Caches of allocators that were dropped (whose registry let go of them) go.
+        mine.retain(|(_, o)| Arc::strong_count(&o.shared) > 1);
+        mine.push((id, self.make()));
+        mine.len() - 1
+    }
+
+    /// Model-checking builds have no thread caches behind the allocator.
+    #[cfg(loom)]
+    pub(super) fn with_mine<R>(&self, _id: AllocatorId, _f: impl FnOnce(&mut Owner) -> R) -> Option<R> {
+        None
+    }
+
+    /// Applies a locked section's statistics changes to this thread's counters, or to
+    /// `retired` when this thread has none.
+    pub(super) fn settle(&self, id: AllocatorId, d: &crate::stats::Delta) {
+        let board = &self.board;
+        if self.with_mine(id, |o| o.stats().apply(board, o.slack, d)).is_none() {
+            let _g = lock(&self.retired_lock);
+            self.retired.apply(board, MIN_BYTE_SLACK, d);
+        }
+    }
+
+    /// Takes every cached block out of every thread cache; forgets the caches of exited threads
+    /// (their statistics go to `retired`).
+    pub(super) fn drain_all(&self, into: &mut Vec<BlockIdx>) {
+        let mut list = lock(&self.list);
+        list.retain(|c| {
+            c.drain(into);
+            if c.orphan.load(Ordering::Acquire) {
+                let _g = lock(&self.retired_lock);
+                self.retired.absorb(&self.board, &c.stats);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// The block-side statistics summed over threads (exact when no thread is between calls).
+    pub(super) fn sum(&self) -> Sum {
+        let list = lock(&self.list);
+        let mut sum = Sum::default();
+        for c in list.iter() {
+            c.stats.add_into(&mut sum);
+        }
+        let _g = lock(&self.retired_lock);
+        self.retired.add_into(&mut sum);
+        sum
+    }
+
+    /// Restarts the peaks from the values now; this thread commits everything first, so that
+    /// with one thread at a time the peaks stay exact.
+    pub(super) fn reset_peaks(&self, id: AllocatorId) {
+        let board = &self.board;
+        self.with_mine(id, |o| o.stats().commit_all(board));
+        {
+            let _r = lock(&self.retired_lock);
+            self.retired.commit_all(board);
+        }
+        board.reset_peaks(&self.sum());
+    }
+
+    /// The allocator is going: every cache is drained and let go (threads drop their entries
+    /// for it when they next make one).
+    pub(super) fn close(&self, into: &mut Vec<BlockIdx>) {
+        let mut list = lock(&self.list);
+        for c in list.drain(..) {
+            c.filled.store(true, Ordering::Relaxed);
+            c.drain(into);
+        }
+    }
+}
+
+#[cfg(all(test, loom))]
+mod loom_tests {
+    //! The ownership protocol under every interleaving loom finds: each block cached ends up
+    //! with exactly one party.
+    use super::*;
+    use crate::id::StreamKey;
+
+    fn b(i: usize) -> BlockIdx {
+        BlockIdx::from_key(i as u32 + 1)
+    }
+
+    /// The owner caches, reuses and evicts while another thread drains: no block is lost or
+    /// handed out twice.
+    #[test]
+    fn owner_and_drain() {
+        loom::model(|| {
+            let reg = Arc::new(Registry::default());
+            let mut own = reg.make();
+            let board = Board::default();
+            let s = StreamKey(7);
+            // Two blocks of one size cached before the drainer starts.
+            assert!(matches!(own.put(&board, s, 512, true, 512, b(0), 0x1000, false), Put::Cached));
+            assert!(matches!(own.put(&board, s, 512, true, 512, b(1), 0x1200, true), Put::Cached));
+            let r2 = reg.clone();
+            let drainer = loom::thread::spawn(move || {
+                let mut got = Vec::new();
+                r2.drain_all(&mut got);
+                got
+            });
+            let mut mine = Vec::new();
+            if let Some(h) = own.take(&board, s, 512, 512) {
+                mine.push(h.block);
+            }
+            // A third block, cached while the drain may be under way.
+            let p = own.put(&board, s, 512, true, 512, b(2), 0x1400, false);
+            assert!(matches!(p, Put::Cached));
+            while let Some(h) = own.take(&board, s, 512, 512) {
+                mine.push(h.block);
+            }
+            let mut drained = drainer.join().unwrap();
+            // What is left in the cache, taken as the allocator's `Drop` would.
+            let mut left = Vec::new();
+            reg.close(&mut left);
+            let why = format!("reused {mine:?}, drained {drained:?}, left {left:?}");
+            let mut all: Vec<BlockIdx> = mine.into_iter().chain(drained.drain(..)).chain(left).collect();
+            all.sort_by_key(|x| x.to_key());
+            assert_eq!(all, vec![b(0), b(1), b(2)], "every block with exactly one party: {why}");
+        });
+    }
+
+    /// Two threads' commits race: afterwards the sum is exact and the peak lies between the
+    /// highest value the sum can have reached and that plus the slack.
+    #[test]
+    fn concurrent_commits() {
+        loom::model(|| {
+            let reg = Arc::new(Registry::default());
+            let mut handles = Vec::new();
+            for _ in 0..2 {
+                let own = reg.make();
+                let r = reg.clone();
+                handles.push(loom::thread::spawn(move || {
+                    let mut up = crate::stats::Delta::default();
+                    up.on_inactive_split(true, 512, true);
+                    own.stats().apply(&r.board, MIN_BYTE_SLACK, &up);
+                    let mut down = crate::stats::Delta::default();
+                    down.on_inactive_split(true, 512, false);
+                    own.stats().apply(&r.board, MIN_BYTE_SLACK, &down);
+                    own
+                }));
+            }
+            let owners: Vec<Owner> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let sum = reg.sum();
+            let stats = crate::stats::Counters::default().report(&sum, &reg.board, usize::MAX);
+            let (count, bytes) = (stats.inactive_split.all, stats.inactive_split_bytes.all);
+            assert_eq!((count.current, bytes.current, count.allocated), (0, 0, 2));
+            // One or both at once: never below one, never above both.
+            assert!((512..=1024).contains(&bytes.peak), "{}", bytes.peak);
+            drop(owners);
+        });
+    }
+}

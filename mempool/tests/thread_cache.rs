@@ -1,0 +1,226 @@
+//! The thread caches (`MEMPOOL_ALLOC_CONF=thread_cache:True`, the default): a block freed by a
+//! thread is reused by that thread's next request of the same size on the same stream, and
+//! nothing else changes: statistics exact, `empty_cache`, snapshots, the out-of-memory ladder and
+//! the allocator's `Drop` see every cached block. (No trace hook is attached in this binary: a
+//! hook turns the caches off, `thread_cache_trace.rs`.)
+
+mod common;
+
+use std::sync::Arc;
+
+use common::check_invariants;
+use mempool::sim::SimDevice;
+use mempool::{Allocator, Config, Sim};
+
+const MIB: usize = 1 << 20;
+
+fn setup(capacity: usize) -> (Arc<SimDevice>, Allocator<Sim>) {
+    let sim = SimDevice::new(capacity);
+    (sim.clone(), Allocator::sim(sim))
+}
+
+/// Best fit would hand out the lower of two free 4 KiB blocks; the cache hands out the one
+/// freed last (and with `thread_cache:False`, best fit's).
+#[test]
+fn the_block_freed_last_is_reused_first() {
+    for cache in [true, false] {
+        let sim = SimDevice::new(1 << 30);
+        let config = Config::builder().thread_cache(cache).build().unwrap();
+        let a = Allocator::sim_with(sim.clone(), config);
+        let x = a.alloc::<u8>(4096).unwrap();
+        let y = a.alloc::<u8>(4096).unwrap();
+        let (xa, ya) = (x.device_ptr_raw(), y.device_ptr_raw());
+        assert!(xa < ya);
+        drop(x);
+        drop(y);
+        let z = a.alloc::<u8>(4096).unwrap();
+        assert_eq!(z.device_ptr_raw(), if cache { ya } else { xa }, "thread_cache:{cache}");
+        assert_eq!(a.memory_stats().num_device_alloc, 1);
+        drop(z);
+        check_invariants(&a, Some(&sim));
+    }
+}
+
+/// Statistics count a cached block as free at once; a reuse counts as an allocation (totals
+/// included); the peaks of one thread are exact.
+#[test]
+fn statistics_are_exact_with_cached_blocks() {
+    let (sim, a) = setup(1 << 30);
+    let big = a.alloc::<u8>(MIB).unwrap();
+    drop(big); // cached
+    let s = a.memory_stats();
+    assert_eq!((s.allocated_bytes.all.current, s.allocation.all.current, s.active_bytes.all.current), (0, 0, 0));
+    let small = a.alloc::<u8>(4096).unwrap(); // not the cached size: best fit, a new block
+    let big = a.alloc::<u8>(MIB).unwrap(); // the cached one
+    let s = a.memory_stats();
+    assert_eq!(s.allocated_bytes.all.current, (MIB + 4096) as i64);
+    assert_eq!(s.allocated_bytes.all.peak, (MIB + 4096) as i64, "peak: the true one");
+    assert_eq!(s.allocation.all.allocated, 3, "a reuse is an allocation");
+    assert_eq!(s.requested_bytes.all.current, (MIB + 4096) as i64);
+    check_invariants(&a, Some(&sim));
+    drop(big);
+    drop(small);
+    a.reset_peak_stats();
+    let s = a.memory_stats();
+    assert_eq!(s.allocated_bytes.all.peak, 0, "reset: the value now");
+    let again = a.alloc::<u8>(4096).unwrap();
+    let s = a.memory_stats();
+    assert_eq!((s.allocated_bytes.all.current, s.allocated_bytes.all.peak), (4096, 4096));
+    drop(again);
+    // Many pairs of one size: no drift.
+    for _ in 0..10_000 {
+        drop(a.alloc::<u8>(512).unwrap());
+    }
+    let s = a.memory_stats();
+    assert_eq!((s.allocated_bytes.all.current, s.allocation.all.current), (0, 0));
+    assert_eq!(s.allocated_bytes.all.peak, 4096);
+    check_invariants(&a, Some(&sim));
+}
+
+/// A request of another size (rounding to the same block size) is not served from the cache:
+/// the state keeps each block's requested size exact.
+#[test]
+fn only_the_same_request_reuses_a_block() {
+    let (sim, a) = setup(1 << 30);
+    let x = a.alloc::<u8>(4000).unwrap();
+    let _y = a.alloc::<u8>(4000).unwrap();
+    let xa = x.device_ptr_raw();
+    drop(x);
+    let z = a.alloc::<u8>(3900).unwrap(); // also 4096 bytes, another request
+    assert_ne!(z.device_ptr_raw(), xa);
+    assert_eq!(a.memory_stats().requested_bytes.all.current, 7900);
+    check_invariants(&a, Some(&sim));
+}
+
+/// `empty_cache` gives back segments whose only blocks sit in thread caches, this thread's and
+/// other threads', live or exited.
+#[test]
+fn empty_cache_takes_every_threads_cached_blocks() {
+    let (sim, a) = setup(1 << 30);
+    drop(a.alloc::<u8>(MIB).unwrap());
+    let a2 = a.clone();
+    // Another thread caches a block and exits.
+    std::thread::spawn(move || drop(a2.alloc::<u8>(8 * MIB).unwrap())).join().unwrap();
+    // Another caches one and stays.
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let a3 = a.clone();
+    let live = std::thread::spawn(move || {
+        drop(a3.alloc::<u8>(4096).unwrap());
+        ready_tx.send(()).unwrap();
+        rx.recv().unwrap();
+        // Its cache was emptied under it: its next allocation still works.
+        drop(a3.alloc::<u8>(4096).unwrap());
+    });
+    ready_rx.recv().unwrap();
+    assert_eq!(sim.live_segments().len(), 2, "a large segment, and a small one for the other two");
+    check_invariants(&a, Some(&sim));
+    a.empty_cache().unwrap();
+    assert!(sim.live_segments().is_empty(), "cached blocks kept segments: {:?}", sim.live_segments());
+    let s = a.memory_stats();
+    assert_eq!((s.allocated_bytes.all.current, s.reserved_bytes.all.current), (0, 0));
+    assert_eq!(s.allocation.all.allocated, 3);
+    tx.send(()).unwrap();
+    live.join().unwrap();
+    check_invariants(&a, Some(&sim));
+}
+
+/// Blocks freed on another thread than the one that allocated them: statistics stay exact
+/// (that thread's counters go negative, the sum does not).
+#[test]
+fn frees_on_other_threads_keep_the_sum_exact() {
+    let (sim, a) = setup(1 << 30);
+    let bufs: Vec<_> = (0..64).map(|i| a.alloc::<u8>(512 * (1 + i % 8)).unwrap()).collect();
+    let h = std::thread::spawn(move || drop(bufs));
+    h.join().unwrap();
+    let s = a.memory_stats();
+    assert_eq!((s.allocated_bytes.all.current, s.allocation.all.current, s.active.all.current), (0, 0, 0));
+    assert_eq!(s.allocation.all.allocated, 64);
+    assert_eq!(s.allocation.all.freed, 64);
+    check_invariants(&a, Some(&sim));
+    a.empty_cache().unwrap();
+    assert!(sim.live_segments().is_empty());
+}
+
+/// Out of memory is not reached while cached blocks could serve the request once merged.
+#[test]
+fn cached_blocks_are_merged_before_memory_runs_out() {
+    let (sim, a) = setup(2 * MIB);
+    // The whole small segment, in two cached halves.
+    let x = a.alloc::<u8>(MIB).unwrap();
+    let y = a.alloc::<u8>(MIB).unwrap();
+    drop(x);
+    drop(y);
+    assert_eq!(a.memory_stats().num_device_alloc, 1);
+    // Another request of the same block size is no cache hit, and the device has no room for
+    // another segment: the cached halves go back to the free sets and one of them serves it.
+    let z = a.alloc::<u8>(MIB - 100).unwrap();
+    let s = a.memory_stats();
+    assert_eq!((s.num_ooms, s.num_device_alloc, s.num_alloc_retries), (0, 1, 0));
+    assert_eq!(sim.live_segments().len(), 1);
+    drop(z);
+    check_invariants(&a, Some(&sim));
+}
+
+/// Dropping an allocator gives back the blocks other threads still cache.
+#[test]
+fn dropping_the_allocator_takes_blocks_from_live_threads_caches() {
+    let sim = SimDevice::new(1 << 30);
+    let a = Allocator::sim(sim.clone());
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let a2 = a.clone();
+    let t = std::thread::spawn(move || {
+        drop(a2.alloc::<u8>(4096).unwrap());
+        drop(a2);
+        ready_tx.send(()).unwrap();
+        rx.recv().unwrap();
+        // A new allocator on this thread, after the old one's cache was let go.
+        let b = Allocator::sim(SimDevice::new(1 << 30));
+        drop(b.alloc::<u8>(4096).unwrap());
+        let again = b.alloc::<u8>(4096).unwrap();
+        assert_eq!(b.memory_stats().num_device_alloc, 1);
+        drop(again);
+    });
+    ready_rx.recv().unwrap();
+    drop(a);
+    assert!(sim.live_segments().is_empty(), "left: {:?}", sim.live_segments());
+    tx.send(()).unwrap();
+    t.join().unwrap();
+}
+
+/// A buffer another stream used waits for that stream, as without the cache.
+#[test]
+fn recorded_streams_bypass_the_cache() {
+    let (sim, a) = setup(1 << 30);
+    let s1 = sim.new_stream();
+    let x = a.alloc::<u8>(4096).unwrap();
+    let xa = x.device_ptr_raw();
+    x.record_stream(&s1).unwrap();
+    drop(x);
+    let y = a.alloc::<u8>(4096).unwrap();
+    assert_ne!(y.device_ptr_raw(), xa, "reused before stream 1 finished");
+    sim.complete_stream(s1);
+    check_invariants(&a, Some(&sim));
+    drop(y);
+}
+
+/// A stream's cached blocks serve only that stream.
+#[test]
+fn cached_blocks_stay_on_their_stream() {
+    let (sim, a) = setup(1 << 30);
+    let side = sim.new_stream();
+    let x = a.alloc::<u8>(4096).unwrap();
+    let xa = x.device_ptr_raw();
+    drop(x);
+    let g = a.set_stream(&side).unwrap();
+    let y = a.alloc::<u8>(4096).unwrap();
+    assert_ne!(y.device_ptr_raw(), xa);
+    assert_eq!(y.stream_id(), side.id);
+    drop(y);
+    drop(g);
+    let z = a.alloc::<u8>(4096).unwrap();
+    assert_eq!(z.device_ptr_raw(), xa);
+    drop(z);
+    check_invariants(&a, Some(&sim));
+}
