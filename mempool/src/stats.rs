@@ -1,6 +1,6 @@
 //! Memory statistics, with the names and meaning of `torch.cuda.memory_stats()`.
 
-use crate::sync::{AtomicI64, AtomicU64, Ordering};
+use crate::sync::{Arc, AtomicI64, AtomicU64, Mutex, MutexGuard, Ordering};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -366,18 +366,31 @@ impl Delta {
     }
 }
 
-/// The device-wide side of the peaks: `g[i]` = Σ over threads of their committed values,
-/// `peak[i]` the highest `g[i]` since the last reset.
+/// The device-wide side: `g[i]` = Σ over threads of their committed values, `peak[i]` the
+/// peak; and every thread's counters (`members`, and `retired` for threads that exited), so
+/// that a new peak is checked against the true sum.
 #[derive(Debug)]
 pub(crate) struct Board {
     g: [AtomicI64; N],
     peak: [AtomicI64; N],
+    members: Mutex<Vec<Arc<ThreadStats>>>,
+    /// Written only under the registry's retired lock.
+    pub(crate) retired: Arc<ThreadStats>,
 }
 
 impl Default for Board {
     fn default() -> Board {
-        Board { g: std::array::from_fn(|_| AtomicI64::new(0)), peak: std::array::from_fn(|_| AtomicI64::new(0)) }
+        Board {
+            g: std::array::from_fn(|_| AtomicI64::new(0)),
+            peak: std::array::from_fn(|_| AtomicI64::new(0)),
+            members: Mutex::new(Vec::new()),
+            retired: Arc::new(ThreadStats::default()),
+        }
     }
+}
+
+fn lock_members(m: &Mutex<Vec<Arc<ThreadStats>>>) -> MutexGuard<'_, Vec<Arc<ThreadStats>>> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// One thread's block-side counters (see the comment above [`ALLOCATION`]). Written by their
@@ -441,11 +454,14 @@ impl ThreadStats {
             return;
         }
         let g = board.g[i].fetch_add(d, Ordering::Relaxed) + d;
-        // A read first: most commits set no new peak, and a load leaves the line shared.
-        if d > 0 && g > board.peak[i].load(Ordering::Relaxed) {
-            board.peak[i].fetch_max(g, Ordering::Relaxed);
-        }
         self.committed[i].store(c, Ordering::Relaxed);
+        // A read first: most commits set no new peak, and a load leaves the line shared. `g`
+        // still holds other threads' decreases within their slack (an idle thread's frees are
+        // never committed): a new peak is the true sum, read from every thread, when lower.
+        if d > 0 && g > board.peak[i].load(Ordering::Relaxed) {
+            let now = board.current(i);
+            board.peak[i].fetch_max(g.min(now), Ordering::Relaxed);
+        }
     }
 
     #[inline(always)]
@@ -540,10 +556,37 @@ impl Board {
         self.peak[i].load(Ordering::Relaxed)
     }
 
-    /// The peaks start again from `now` (the current values summed over threads). A thread's
-    /// uncommitted decreases still count in `g`: with other threads holding slack, the next
-    /// peak may read that much high.
-    pub(crate) fn reset_peaks(&self, now: &Sum) {
+    /// A thread's counters join the census.
+    pub(crate) fn join(&self, t: Arc<ThreadStats>) {
+        lock_members(&self.members).push(t);
+    }
+
+    /// A thread's counters leave it (after `retired` absorbed them).
+    pub(crate) fn leave(&self, t: &Arc<ThreadStats>) {
+        lock_members(&self.members).retain(|m| !Arc::ptr_eq(m, t));
+    }
+
+    /// Entry `i` summed over every thread now (exact when they are quiescent).
+    fn current(&self, i: usize) -> i64 {
+        let m = lock_members(&self.members);
+        m.iter().map(|t| t.cur[i].load(Ordering::Relaxed)).sum::<i64>() + self.retired.cur[i].load(Ordering::Relaxed)
+    }
+
+    /// Every entry summed over threads.
+    pub(crate) fn sum(&self) -> Sum {
+        let m = lock_members(&self.members);
+        let mut sum = Sum::default();
+        for t in m.iter() {
+            t.add_into(&mut sum);
+        }
+        self.retired.add_into(&mut sum);
+        sum
+    }
+
+    /// The peaks start again from the values now (a later one is checked against the true
+    /// sum, so other threads' uncommitted decreases do not count).
+    pub(crate) fn reset_peaks(&self) {
+        let now = self.sum();
         for i in 0..N {
             self.peak[i].store(now.cur[i], Ordering::Relaxed);
         }

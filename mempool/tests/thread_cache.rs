@@ -162,6 +162,33 @@ fn cached_blocks_are_merged_before_memory_runs_out() {
     check_invariants(&a, Some(&sim));
 }
 
+/// On the way to out-of-memory, other threads' cached blocks are taken back too, and the
+/// segments they kept are given back.
+#[test]
+fn out_of_memory_takes_other_threads_cached_blocks() {
+    let (sim, a) = setup(24 * MIB);
+    let a2 = a.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let t = std::thread::spawn(move || {
+        // A large segment (20 MiB), wholly in this thread's cache.
+        drop(a2.alloc::<u8>(12 * MIB).unwrap());
+        ready_tx.send(()).unwrap();
+        rx.recv().unwrap();
+    });
+    ready_rx.recv().unwrap();
+    assert_eq!(sim.live_segments().len(), 1);
+    // Another large request does not fit beside it: the ladder drains, releases, retries.
+    let b = a.alloc::<u8>(15 * MIB).unwrap();
+    let s = a.memory_stats();
+    assert_eq!((s.num_ooms, s.num_alloc_retries), (0, 1));
+    assert_eq!(sim.live_segments().len(), 1);
+    drop(b);
+    tx.send(()).unwrap();
+    t.join().unwrap();
+    check_invariants(&a, Some(&sim));
+}
+
 /// Dropping an allocator gives back the blocks other threads still cache.
 #[test]
 fn dropping_the_allocator_takes_blocks_from_live_threads_caches() {

@@ -220,6 +220,14 @@ impl DeviceAllocator {
         !blocks.is_empty()
     }
 
+    /// Files the blocks of this thread's cache and of exited threads' caches.
+    fn drain_own(&self) {
+        let mut blocks = Vec::new();
+        self.caches.with_mine(self.id, |o| o.drain_own(&mut blocks));
+        self.caches.drain_orphans(&mut blocks);
+        self.free_cached(&blocks);
+    }
+
     fn free_cached(&self, blocks: &[BlockIdx]) {
         if blocks.is_empty() {
             return;
@@ -430,9 +438,11 @@ impl DeviceAllocator {
         // Before any user code runs (hooks and frees run when the lock is let go, and may change
         // this thread's current stream): the request's stream is still the current one.
         let mut keep = Some((req.keep)());
-        // Blocks waiting in thread caches are free memory: they are filed (and merged) before
-        // any segment is made, so caching never grows what is reserved.
-        self.drain_caches();
+        // Blocks waiting in this thread's cache are free memory: they are filed (and merged)
+        // before a segment is made. Other threads' caches are left alone (draining them on every
+        // growth would make threads that warm up together miss each other's blocks over and
+        // over); the out-of-memory ladder below takes them too.
+        self.drain_own();
         loop {
             let mut st = self.lock();
             let slot = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
@@ -522,13 +532,17 @@ impl DeviceAllocator {
             }
             if !retried {
                 retried = true;
+                // Every thread's cached blocks back in the free sets first, so that the segments
+                // they kept are wholly free when the caches are given back.
+                drop(st);
+                self.drain_caches();
+                let mut st = self.lock();
                 st.synchronize_events(be);
                 st.stats.num_alloc_retries += 1;
                 // The default pools, released pools and this pool; live user pools keep theirs
                 // (they may be registered, and `use_on_oom` lenders are tried below).
                 st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released || p.spec.id == id);
                 self.unlock(st, true);
-                self.drain_caches();
                 continue;
             }
             if slot == Slot::DEFAULT {
@@ -676,7 +690,11 @@ impl DeviceAllocator {
         self.lock().error.take().map_or(Ok(()), Err)
     }
 
+    /// The statistics; every thread's cached blocks are filed first, so that the figures are
+    /// those of the blocks as the shared state holds them (a cached block of a split segment
+    /// would otherwise count as an inactive-split block of its own, unmerged).
     pub(crate) fn stats(&self) -> MemoryStats {
+        self.drain_caches();
         let (counters, max_split) = {
             let st = self.lock();
             (st.stats.clone(), st.config.max_split_size)

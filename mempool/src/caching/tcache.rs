@@ -37,9 +37,11 @@ use crate::id::{AllocatorId, StreamKey};
 use crate::stats::{slack_for, Board, Sum, ThreadStats, MIN_BYTE_SLACK};
 use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering};
 
-/// Bins per thread cache (direct-mapped on (stream, bytes asked for)); two under loom, whose
-/// models must stay small enough to explore.
+/// Bins per thread cache, in sets of `WAYS` chosen by (stream, bytes asked for); two under
+/// loom, whose models must stay small enough to explore.
 const BINS: usize = if cfg!(loom) { 2 } else { 64 };
+/// Bins a key may use (a set): four sizes on one stream never push each other out.
+const WAYS: usize = if cfg!(loom) { 2 } else { 4 };
 /// Blocks per bin.
 const PER_BIN: usize = if cfg!(loom) { 3 } else { 4 };
 /// Bytes one thread cache holds at most.
@@ -65,7 +67,7 @@ pub(super) struct Shared {
     drains: AtomicU64,
     /// Its thread has exited: the next drain folds its statistics into `retired` and forgets it.
     orphan: AtomicBool,
-    pub(super) stats: ThreadStats,
+    pub(super) stats: Arc<ThreadStats>,
 }
 
 impl Shared {
@@ -75,8 +77,13 @@ impl Shared {
             filled: AtomicBool::new(false),
             drains: AtomicU64::new(0),
             orphan: AtomicBool::new(false),
-            stats: ThreadStats::default(),
+            stats: Arc::new(ThreadStats::default()),
         }
+    }
+
+    /// Whether no slot holds a block (exact once its owner has exited).
+    fn is_empty(&self) -> bool {
+        self.slots.iter().flatten().all(|s| s.load(Ordering::Acquire) == 0)
     }
 
     /// Takes every cached block out (their statistics stay as they are: free).
@@ -128,6 +135,8 @@ pub(super) struct Owner {
     /// Frees left to pass by the cache: a thread whose frees are rarely reused (sizes that do
     /// not repeat) stops paying for caching and evicting for a while.
     bypass: u32,
+    /// The way evicted next when a set is full.
+    victim: usize,
 }
 
 /// Puts per window of the hit-rate check.
@@ -142,9 +151,9 @@ impl Drop for Owner {
 }
 
 #[inline(always)]
-fn bin_of(stream: StreamKey, requested: usize) -> usize {
+fn set_of(stream: StreamKey, requested: usize) -> usize {
     let h = (stream.0 ^ (requested as u64).rotate_left(17)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    (h >> 58) as usize % BINS
+    (h >> 58) as usize % (BINS / WAYS) * WAYS
 }
 
 /// What `put` did.
@@ -178,6 +187,7 @@ impl Owner {
             puts: 0,
             hits: 0,
             bypass: 0,
+            victim: 0,
         }
     }
 
@@ -188,11 +198,12 @@ impl Owner {
     /// A cached block for a request of `size` bytes (rounded) on `stream`, counted as allocated.
     #[inline(always)]
     pub(super) fn take(&mut self, board: &Board, stream: StreamKey, size: usize, requested: usize) -> Option<Hit> {
-        let i = bin_of(stream, requested);
+        let set = set_of(stream, requested);
+        let i = (set..set + WAYS).find(|&i| {
+            let m = &self.meta[i];
+            m.n > 0 && m.requested == requested && m.size == size && m.stream == stream
+        })?;
         let m = &mut self.meta[i];
-        if m.n == 0 || m.requested != requested || m.size != size || m.stream != stream {
-            return None;
-        }
         // Walk down past slots a drain emptied.
         while m.n > 0 {
             m.n -= 1;
@@ -243,10 +254,21 @@ impl Owner {
         if self.bytes + size > MAX_BYTES {
             return Put::Refused;
         }
-        let i = bin_of(stream, requested);
+        let set = set_of(stream, requested);
+        let same = |m: &Meta| m.n > 0 && m.requested == requested && m.size == size && m.stream == stream;
+        let i = match (set..set + WAYS).find(|&i| same(&self.meta[i])) {
+            Some(i) => i,
+            None => match (set..set + WAYS).find(|&i| self.meta[i].n == 0) {
+                Some(i) => i,
+                None => {
+                    self.victim = (self.victim + 1) % WAYS;
+                    set + self.victim
+                }
+            },
+        };
         let mut out = Put::Cached;
         let m = self.meta[i];
-        if m.n > 0 && (m.requested != requested || m.size != size || m.stream != stream) {
+        if m.n > 0 && !same(&m) {
             let mut old = [None; PER_BIN];
             for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
                 let v = s.swap(0, Ordering::Acquire);
@@ -281,6 +303,20 @@ impl Owner {
         out
     }
 
+    /// Gives back everything this thread's cache holds (before this thread makes a segment).
+    pub(super) fn drain_own(&mut self, into: &mut Vec<BlockIdx>) {
+        for (i, m) in self.meta.iter_mut().enumerate() {
+            for s in &self.shared.slots[i][..m.n] {
+                let v = s.swap(0, Ordering::Acquire);
+                if v != 0 {
+                    into.push(unpack(v).0);
+                }
+            }
+            m.n = 0;
+        }
+        self.bytes = 0;
+    }
+
     /// After a drain: bins whose slots are all 0 are empty again, and the bytes are recounted.
     #[cold]
     fn recount(&mut self, drains: u64) {
@@ -307,7 +343,7 @@ pub(super) struct Registry {
     list: Mutex<Vec<Arc<Shared>>>,
     /// The statistics of threads that have exited (and of calls made while a thread's locals
     /// were already gone), written under its commit lock only.
-    retired: ThreadStats,
+    /// Held while `board.retired` is written.
     retired_lock: Mutex<()>,
     pub(super) board: Board,
 }
@@ -326,7 +362,12 @@ impl Registry {
     /// A new cache, listed.
     pub(super) fn make(&self) -> Owner {
         let s = Arc::new(Shared::new());
-        lock(&self.list).push(s.clone());
+        let mut list = lock(&self.list);
+        // Exited threads' caches that hold no block are forgotten here (those with blocks at
+        // the next drain), so threads that come and go do not pile up.
+        list.retain(|c| !(c.orphan.load(Ordering::Acquire) && c.is_empty() && self.retire(c)));
+        self.board.join(s.stats.clone());
+        list.push(s.clone());
         Owner::new(s)
     }
 
@@ -369,7 +410,7 @@ impl Registry {
         let board = &self.board;
         if self.with_mine(id, |o| o.stats().apply(board, o.slack, d)).is_none() {
             let _g = lock(&self.retired_lock);
-            self.retired.apply(board, MIN_BYTE_SLACK, d);
+            board.retired.apply(board, MIN_BYTE_SLACK, d);
         }
     }
 
@@ -379,26 +420,33 @@ impl Registry {
         let mut list = lock(&self.list);
         list.retain(|c| {
             c.drain(into);
-            if c.orphan.load(Ordering::Acquire) {
-                let _g = lock(&self.retired_lock);
-                self.retired.absorb(&self.board, &c.stats);
-                false
-            } else {
-                true
-            }
+            !(c.orphan.load(Ordering::Acquire) && self.retire(c))
         });
+    }
+
+    /// Takes the blocks of exited threads' caches and forgets those caches.
+    pub(super) fn drain_orphans(&self, into: &mut Vec<BlockIdx>) {
+        let mut list = lock(&self.list);
+        list.retain(|c| {
+            if !c.orphan.load(Ordering::Acquire) {
+                return true;
+            }
+            c.drain(into);
+            !self.retire(c)
+        });
+    }
+
+    /// An exited thread's statistics into `retired`; true (it may be forgotten).
+    fn retire(&self, c: &Shared) -> bool {
+        let _g = lock(&self.retired_lock);
+        self.board.retired.absorb(&self.board, &c.stats);
+        self.board.leave(&c.stats);
+        true
     }
 
     /// The block-side statistics summed over threads (exact when no thread is between calls).
     pub(super) fn sum(&self) -> Sum {
-        let list = lock(&self.list);
-        let mut sum = Sum::default();
-        for c in list.iter() {
-            c.stats.add_into(&mut sum);
-        }
-        let _g = lock(&self.retired_lock);
-        self.retired.add_into(&mut sum);
-        sum
+        self.board.sum()
     }
 
     /// Restarts the peaks from the values now; this thread commits everything first, so that
@@ -408,9 +456,9 @@ impl Registry {
         self.with_mine(id, |o| o.stats().commit_all(board));
         {
             let _r = lock(&self.retired_lock);
-            self.retired.commit_all(board);
+            board.retired.commit_all(board);
         }
-        board.reset_peaks(&self.sum());
+        board.reset_peaks();
     }
 
     /// The allocator is going: every cache is drained and let go (threads drop their entries
