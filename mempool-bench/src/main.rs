@@ -315,6 +315,14 @@ fn main() -> ExitCode {
             "host".into()
         }
     });
+    // `MEMPOOL_ALLOC_CONF` on every backend (the CUDA allocator reads it itself).
+    let config = match mempool::Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("mempool-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let r = match backend.as_str() {
         "cuda" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| {
             let ctx = a.context().clone();
@@ -328,12 +336,13 @@ fn main() -> ExitCode {
                 next += 1;
                 Ok(StreamId(next))
             };
-            run(Allocator::host(), &cmd, rest, Streams { default: StreamId(0), new })
+            let a = Allocator::host_with(mempool::backend::host::HostBackend::new(), config);
+            run(a, &cmd, rest, Streams { default: StreamId(0), new })
         }
         "sim" => {
             let sim = SimDevice::new(usize::MAX / 2);
             let streams = Streams { default: sim.default_stream(), new: &mut || Ok(sim.new_stream()) };
-            run(Allocator::sim(sim.clone()), &cmd, rest, streams)
+            run(Allocator::sim_with(sim.clone(), config), &cmd, rest, streams)
         }
         other => Err(format!("unknown backend `{other}`; valid: sim, host, cuda")),
     };
