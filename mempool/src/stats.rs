@@ -235,20 +235,20 @@ impl Counters {
 //
 // Every change to the block-side counters (allocations, active and inactive-split blocks,
 // allocated, active, requested bytes, oversize allocations) is made by some thread, and goes to
-// that thread's [`ThreadStats`]: its current values and totals, written only under that thread's own
-// (uncontended) lock. A device-wide *current* value is the sum over threads, read under each
-// thread's lock: exact whenever the allocator is quiescent.
+// that thread's [`ThreadStats`]: its current values and totals, atomics written by that thread
+// only (a load and a store, no read-modify-write). A device-wide *current* value is the sum over
+// threads (`Board::sum`): exact whenever the allocator is quiescent.
 //
 // A *peak* cannot be summed. Each thread also keeps, per counter, `committed`: how much of its
-// current value it has added to a device-wide atomic `G` (so `G` = Σ committed). When a
-// thread's current value rises above its committed one, it commits the difference
-// (`G.fetch_add`) and raises the peak to the new `G` (`fetch_max`); when it falls more than
-// a slack below, it commits the decrease. So `G` ≥ the true sum except for other threads'
-// uncommitted decreases, and
-// - with one thread at a time the peak is exact: `G` = committed ≥ current always, and the true
-//   value can pass the old peak only by rising above `committed`, which commits it;
-// - with several, the peak is at most the true one plus the other threads' slack (twice the
-//   largest block each cached, at least 16 MiB: `slack_for`), never below it;
+// current value it has added to a device-wide atomic `g` (so `g` = Σ committed). When a thread's
+// current value rises above its committed one, it commits the difference (`g.fetch_add`); when it
+// falls more than a slack below, it commits the decrease. `g` is a filter: only when a commit
+// takes `g` above the peak is the true sum read from every thread (`Board::current`, under the
+// members' lock), and the peak becomes the smaller of the two. So
+// - with one thread at a time (threads taking turns, and after a peak reset too) the peak is
+//   exact: the true value passes the old peak only by some thread rising above its committed
+//   value, which commits, finds `g` above the peak and reads the true sum;
+// - with threads racing, the sum read may miss what the others change meanwhile;
 // - a thread that cycles allocations and frees within its slack (the hot case) touches no
 //   shared cache line at all.
 // ---------------------------------------------------------------------------------------------
@@ -268,14 +268,23 @@ const STATS: usize = 8;
 pub(crate) const N: usize = STATS * 3;
 
 /// How far below its committed value a thread's count may fall before it commits.
-const COUNT_SLACK: i64 = 64;
+const COUNT_SLACK: i64 = 4096;
 /// The least byte slack; a thread's grows to twice the largest block it freed into its cache.
-pub(crate) const MIN_BYTE_SLACK: i64 = 16 << 20;
-const MAX_BYTE_SLACK: i64 = 4 << 30;
+pub(crate) const MIN_BYTE_SLACK: i64 = 1 << 30;
+const MAX_BYTE_SLACK: i64 = 16 << 30;
 
-fn is_bytes(i: usize) -> bool {
-    matches!(i / 3, ALLOCATED_BYTES | ACTIVE_BYTES | INACTIVE_SPLIT_BYTES | REQUESTED_BYTES)
-}
+/// Bit `i`: entry `i` counts bytes.
+const BYTES: u32 = {
+    let mut m = 0u32;
+    let mut s = 0;
+    while s < STATS {
+        if matches!(s, ALLOCATED_BYTES | ACTIVE_BYTES | INACTIVE_SPLIT_BYTES | REQUESTED_BYTES) {
+            m |= 0b111 << (s * 3);
+        }
+        s += 1;
+    }
+    m
+};
 
 /// Changes to the block-side counters made under the allocator's lock, applied to the calling
 /// thread's [`ThreadStats`] once the lock is let go.
@@ -417,7 +426,7 @@ impl Default for ThreadStats {
 /// How far a thread's counter may lag below what it committed (`byte_slack` for byte counters).
 #[inline(always)]
 fn slack_of(i: usize, byte_slack: i64) -> i64 {
-    if is_bytes(i) {
+    if BYTES >> i & 1 != 0 {
         byte_slack
     } else {
         COUNT_SLACK
@@ -425,7 +434,8 @@ fn slack_of(i: usize, byte_slack: i64) -> i64 {
 }
 
 /// The byte slack a thread that caches blocks of `size` bytes wants: twice that, at least
-/// [`MIN_BYTE_SLACK`], at most 4 GiB.
+/// [`MIN_BYTE_SLACK`], at most 16 GiB. (A large slack costs nothing in exactness: a new peak is
+/// checked against the true sum; it only lets a thread's frees and allocations go uncommitted.)
 pub(crate) fn slack_for(size: usize) -> i64 {
     (size as i64).saturating_mul(2).clamp(MIN_BYTE_SLACK, MAX_BYTE_SLACK)
 }
@@ -510,8 +520,10 @@ impl ThreadStats {
             {
                 let c = self.cur[i].load(Ordering::Relaxed) + d.d[i];
                 self.cur[i].store(c, Ordering::Relaxed);
-                let t = self.total[i].load(Ordering::Relaxed) + d.inc[i];
-                self.total[i].store(t, Ordering::Relaxed);
+                if d.inc[i] != 0 {
+                    let t = self.total[i].load(Ordering::Relaxed) + d.inc[i];
+                    self.total[i].store(t, Ordering::Relaxed);
+                }
                 let k = self.committed[i].load(Ordering::Relaxed);
                 if c > k || k - c > slack_of(i, slack) {
                     self.commit(board, i);
