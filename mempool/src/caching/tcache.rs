@@ -6,9 +6,10 @@
 //! hold a block (its index and whether its segment is split) or 0. Only the owning thread
 //! writes a block into a slot, and only into a slot that is 0; anyone may take a block out,
 //! and only by swapping the slot to 0. So exactly one party gets each block: the owner reusing
-//! it (`take`), the owner evicting it (`put`), or another thread draining the cache (`drain`,
-//! for `empty_cache`, snapshots, the out-of-memory ladder, before a new segment is made, and
-//! the allocator's `Drop`). The owner's hot path is one plain store (free) or one swap (reuse)
+//! it (`take`), the owner evicting it or draining its own cache before it makes a segment
+//! (`put`, `drain_own`), or another thread draining the cache (`drain`, for `empty_cache`,
+//! snapshots, `memory_stats`, the out-of-memory ladder, an exited thread's cache, and the
+//! allocator's `Drop`). The owner's hot path is one plain store (free) or one swap (reuse)
 //! on a cache line no other thread writes unless it drains; the bin keys (stream, size), counts
 //! and addresses are the owner's own, in its thread-local storage.
 //!
