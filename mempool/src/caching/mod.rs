@@ -211,13 +211,11 @@ impl DeviceAllocator {
         }
     }
 
-    /// Takes every block out of every thread cache and files it in its free set; whether there
-    /// was any.
-    fn drain_caches(&self) -> bool {
+    /// Takes every block out of every thread cache and files it in its free set.
+    fn drain_caches(&self) {
         let mut blocks = Vec::new();
         self.caches.drain_all(&mut blocks);
-        self.free_cached(&blocks);
-        !blocks.is_empty()
+        self.free_cached(blocks);
     }
 
     /// Files the blocks of this thread's cache and of exited threads' caches.
@@ -225,15 +223,17 @@ impl DeviceAllocator {
         let mut blocks = Vec::new();
         self.caches.with_mine(self.id, |o| o.drain_own(&mut blocks));
         self.caches.drain_orphans(&mut blocks);
-        self.free_cached(&blocks);
+        self.free_cached(blocks);
     }
 
-    fn free_cached(&self, blocks: &[BlockIdx]) {
-        if blocks.is_empty() {
+    /// Files blocks taken out of a thread cache, under one lock.
+    fn free_cached(&self, blocks: impl IntoIterator<Item = BlockIdx>) {
+        let mut blocks = blocks.into_iter().peekable();
+        if blocks.peek().is_none() {
             return;
         }
         let mut st = self.lock();
-        for &b in blocks {
+        for b in blocks {
             st.free_cached(b);
         }
         self.unlock(st, false);
@@ -612,11 +612,7 @@ impl DeviceAllocator {
             match put {
                 Some(tcache::Put::Cached) => return,
                 Some(tcache::Put::Evicted(old)) => {
-                    let mut st = self.lock();
-                    for &b in old.iter().flatten() {
-                        st.free_cached(b);
-                    }
-                    self.unlock(st, false);
+                    self.free_cached(old.into_iter().flatten());
                     return;
                 }
                 Some(tcache::Put::Refused) | None => {}
