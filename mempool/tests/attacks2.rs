@@ -35,6 +35,12 @@ const MIB: usize = 1 << 20;
 // Harness
 // ------------------------------------------------------------------------------------------
 
+/// 4 KiB allocated with `s` current.
+fn alloc_on(a: &Allocator<Sim>, s: &mempool::sim::SimStream) -> Buffer<u8, Sim> {
+    let _g = a.set_stream(s).unwrap();
+    a.alloc::<u8>(4096).unwrap()
+}
+
 /// The stream of the segment that holds `addr`, from a snapshot.
 fn segment_stream(a: &Allocator<Sim>, addr: u64) -> StreamId {
     a.snapshot()
@@ -190,16 +196,10 @@ fn a_free_set_retired_twice_serves_two_streams() {
 
     // Two new streams, each allocating for the first time (each needs a new set).
     let (s1, s2) = (dev.new_stream(), dev.new_stream());
-    let x1 = {
-        let _g = a.set_stream(&s1).unwrap();
-        a.alloc::<u8>(4096).unwrap()
-    };
+    let x1 = alloc_on(&a, &s1);
     let x1_addr = x1.device_ptr_raw();
     drop(x1); // free on s1: reusable by s1 at once, by other streams only through events
-    let x2 = {
-        let _g = a.set_stream(&s2).unwrap();
-        a.alloc::<u8>(4096).unwrap()
-    };
+    let x2 = alloc_on(&a, &s2);
     assert_eq!(x2.stream_id(), s2.id);
     let seg = segment_stream(&a, x2.device_ptr_raw());
     assert!(
@@ -240,14 +240,8 @@ fn two_threads_out_of_memory_on_one_stream_retire_its_set_twice() {
             }
             dev.set_capacity(1 << 30);
             let (s1, s2) = (dev.new_stream(), dev.new_stream());
-            let x1 = {
-                let _g = a.set_stream(&s1).unwrap();
-                a.alloc::<u8>(4096).unwrap()
-            };
-            let x2 = {
-                let _g = a.set_stream(&s2).unwrap();
-                a.alloc::<u8>(4096).unwrap()
-            };
+            let x1 = alloc_on(&a, &s1);
+            let x2 = alloc_on(&a, &s2);
             let seg = segment_stream(&a, x2.device_ptr_raw());
             assert_eq!(
                 seg, s2.id,
@@ -308,14 +302,8 @@ fn a_pool_replaced_during_its_failing_alloc_is_blamed_for_the_oom() {
     }
     // And the request's set went onto the idle list twice: two new streams share it.
     let (s1, s2) = (dev.new_stream(), dev.new_stream());
-    let x1 = {
-        let _g = a.set_stream(&s1).unwrap();
-        a.alloc::<u8>(4096).unwrap()
-    };
-    let x2 = {
-        let _g = a.set_stream(&s2).unwrap();
-        a.alloc::<u8>(4096).unwrap()
-    };
+    let x1 = alloc_on(&a, &s1);
+    let x2 = alloc_on(&a, &s2);
     let seg = segment_stream(&a, x2.device_ptr_raw());
     if seg != s2.id {
         wrong.push(format!("a block for stream {:?} was carved from a segment of stream {seg:?}", s2.id));
