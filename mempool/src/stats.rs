@@ -286,95 +286,6 @@ const BYTES: u32 = {
     m
 };
 
-/// Changes to the block-side counters made under the allocator's lock, applied to the calling
-/// thread's [`ThreadStats`] once the lock is let go.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct Delta {
-    d: [i64; N],
-    inc: [u64; N],
-    /// Bit `i`: entry `i` changed.
-    touched: u32,
-}
-
-impl Delta {
-    #[inline(always)]
-    fn add(&mut self, s: usize, small: bool, n: usize) {
-        let j = s * 3 + 2 - small as usize;
-        self.d[s * 3] += n as i64;
-        self.d[j] += n as i64;
-        self.inc[s * 3] += n as u64;
-        self.inc[j] += n as u64;
-        self.touched |= (1 << (s * 3)) | (1 << j);
-    }
-
-    #[inline(always)]
-    fn sub(&mut self, s: usize, small: bool, n: usize) {
-        let j = s * 3 + 2 - small as usize;
-        self.d[s * 3] -= n as i64;
-        self.d[j] -= n as i64;
-        self.touched |= (1 << (s * 3)) | (1 << j);
-    }
-
-    pub(crate) fn is_empty(&self) -> bool {
-        self.touched == 0
-    }
-
-    /// Empties it.
-    pub(crate) fn clear(&mut self) {
-        let mut t = self.touched;
-        while t != 0 {
-            let i = t.trailing_zeros() as usize;
-            t &= t - 1;
-            self.d[i] = 0;
-            self.inc[i] = 0;
-        }
-        self.touched = 0;
-    }
-
-    /// A block of `size` bytes (`requested` asked for) handed out.
-    #[inline(always)]
-    pub(crate) fn on_alloc(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
-        self.add(ALLOCATION, small, 1);
-        self.add(ALLOCATED_BYTES, small, size);
-        self.add(ACTIVE, small, 1);
-        self.add(ACTIVE_BYTES, small, size);
-        self.add(REQUESTED_BYTES, small, requested);
-        if oversize {
-            self.add(OVERSIZE_ALLOCATIONS, false, 1);
-        }
-    }
-
-    /// Its owner freed a block; it stays active until it is back in its free set.
-    #[inline(always)]
-    pub(crate) fn on_free_requested(&mut self, small: bool, size: usize, requested: usize, oversize: bool) {
-        self.sub(ALLOCATION, small, 1);
-        self.sub(ALLOCATED_BYTES, small, size);
-        self.sub(REQUESTED_BYTES, small, requested);
-        if oversize {
-            self.sub(OVERSIZE_ALLOCATIONS, false, 1);
-        }
-    }
-
-    /// A freed block is back in its free set (every stream that used it is done).
-    #[inline(always)]
-    pub(crate) fn on_free_completed(&mut self, small: bool, size: usize) {
-        self.sub(ACTIVE, small, 1);
-        self.sub(ACTIVE_BYTES, small, size);
-    }
-
-    /// A free block of a split segment entered (`add`) or left the inactive-split counts.
-    #[inline(always)]
-    pub(crate) fn on_inactive_split(&mut self, small: bool, size: usize, add: bool) {
-        if add {
-            self.add(INACTIVE_SPLIT, small, 1);
-            self.add(INACTIVE_SPLIT_BYTES, small, size);
-        } else {
-            self.sub(INACTIVE_SPLIT, small, 1);
-            self.sub(INACTIVE_SPLIT_BYTES, small, size);
-        }
-    }
-}
-
 /// The device-wide side: `g[i]` = Σ over threads of their committed values, `peak[i]` the
 /// peak; and every thread's counters (`members`, and `retired` for threads that exited), so
 /// that a new peak is checked against the true sum.
@@ -480,7 +391,7 @@ impl ThreadStats {
         self.bump(board, s * 3 + 2 - small as usize, n, byte_slack);
     }
 
-    /// A cached block handed out again by its thread (as `Delta::on_alloc`; `split`: it leaves
+    /// A cached block handed out again by its thread (as `on_alloc`; `split`: it leaves
     /// the inactive-split counts).
     #[inline(always)]
     pub(crate) fn on_reuse(&self, board: &Board, slack: i64, small: bool, size: usize, requested: usize, split: bool) {
@@ -510,26 +421,59 @@ impl ThreadStats {
         }
     }
 
-    /// Takes in what a locked section changed (its thread only, or under a lock that makes the
-    /// caller the only writer).
-    pub(crate) fn apply(&self, board: &Board, slack: i64, d: &Delta) {
-        let mut t = d.touched;
-        while t != 0 {
-            let i = t.trailing_zeros() as usize;
-            t &= t - 1;
-            {
-                let c = self.cur[i].load(Ordering::Relaxed) + d.d[i];
-                self.cur[i].store(c, Ordering::Relaxed);
-                if d.inc[i] != 0 {
-                    let t = self.total[i].load(Ordering::Relaxed) + d.inc[i];
-                    self.total[i].store(t, Ordering::Relaxed);
-                }
-                let k = self.committed[i].load(Ordering::Relaxed);
-                if c > k || k - c > slack_of(i, slack) {
-                    self.commit(board, i);
-                }
-            }
+    /// A block of `size` bytes (`requested` asked for) handed out under the allocator's lock.
+    #[inline(always)]
+    pub(crate) fn on_alloc(
+        &self,
+        board: &Board,
+        slack: i64,
+        small: bool,
+        size: usize,
+        requested: usize,
+        oversize: bool,
+    ) {
+        self.change(board, ALLOCATION, small, 1, slack);
+        self.change(board, ALLOCATED_BYTES, small, size as i64, slack);
+        self.change(board, ACTIVE, small, 1, slack);
+        self.change(board, ACTIVE_BYTES, small, size as i64, slack);
+        self.change(board, REQUESTED_BYTES, small, requested as i64, slack);
+        if oversize {
+            self.change(board, OVERSIZE_ALLOCATIONS, false, 1, slack);
         }
+    }
+
+    /// Its owner freed a block; it stays active until it is back in its free set.
+    #[inline(always)]
+    pub(crate) fn on_free_requested(
+        &self,
+        board: &Board,
+        slack: i64,
+        small: bool,
+        size: usize,
+        requested: usize,
+        oversize: bool,
+    ) {
+        self.change(board, ALLOCATION, small, -1, slack);
+        self.change(board, ALLOCATED_BYTES, small, -(size as i64), slack);
+        self.change(board, REQUESTED_BYTES, small, -(requested as i64), slack);
+        if oversize {
+            self.change(board, OVERSIZE_ALLOCATIONS, false, -1, slack);
+        }
+    }
+
+    /// A freed block is back in its free set (every stream that used it is done).
+    #[inline(always)]
+    pub(crate) fn on_free_completed(&self, board: &Board, slack: i64, small: bool, size: usize) {
+        self.change(board, ACTIVE, small, -1, slack);
+        self.change(board, ACTIVE_BYTES, small, -(size as i64), slack);
+    }
+
+    /// A free block of a split segment entered (`add`) or left the inactive-split counts.
+    #[inline(always)]
+    pub(crate) fn on_inactive_split(&self, board: &Board, slack: i64, small: bool, size: usize, add: bool) {
+        let (n, b) = if add { (1, size as i64) } else { (-1, -(size as i64)) };
+        self.change(board, INACTIVE_SPLIT, small, n, slack);
+        self.change(board, INACTIVE_SPLIT_BYTES, small, b, slack);
     }
 
     /// Commits every counter (by its only writer).

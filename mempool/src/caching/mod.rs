@@ -119,10 +119,11 @@ pub(crate) struct DeviceAllocator {
     closing: AtomicBool,
 }
 
-/// The state, locked; letting it go hands the section's block-statistics changes to the
-/// calling thread's counters (outside the lock: they live behind the thread cache's lock).
+/// The state, locked, with its statistics sink pointed at the calling thread's counters (or at
+/// the retired ones, whose lock it then holds too).
 struct Locked<'a> {
     guard: Option<MutexGuard<'a, State>>,
+    retired: Option<crate::sync::MutexGuard<'a, ()>>,
     owner: &'a DeviceAllocator,
 }
 
@@ -146,13 +147,9 @@ impl Drop for Locked<'_> {
     fn drop(&mut self) {
         let Some(mut g) = self.guard.take() else { return };
         self.owner.has_error.store(g.error.is_some(), Ordering::Relaxed);
-        if g.delta.is_empty() {
-            return;
-        }
-        // This thread's counters take no lock (and the retired ones' lock is never held while
-        // the state lock is taken): applied here, under the state lock, with no copy.
-        self.owner.settle(&g.delta);
-        g.delta.clear();
+        g.sink.clear();
+        drop(g);
+        drop(self.retired.take());
     }
 }
 
@@ -175,14 +172,15 @@ impl DeviceAllocator {
             name: backend.kind().to_string(),
         };
         let device = backend.device();
+        let caches = tcache::Registry::default();
         DeviceAllocator {
             rounding: config.clone(),
-            state: Mutex::new(State::new(config, limit, default_pool, id, device)),
+            state: Mutex::new(State::new(config, limit, default_pool, id, device, caches.board.clone())),
             backend,
             id,
             outbox: Mutex::new(()),
             has_work: AtomicBool::new(false),
-            caches: tcache::Registry::default(),
+            caches,
             has_error: AtomicBool::new(false),
             closing: AtomicBool::new(false),
         }
@@ -200,15 +198,28 @@ impl DeviceAllocator {
     fn lock(&self) -> Locked<'_> {
         // Nothing panics while the lock is held (user code runs outside it); if something did,
         // the state is still the best there is, and `Drop` paths must not panic on a poisoned lock.
-        Locked { guard: Some(self.state.lock().unwrap_or_else(|p| p.into_inner())), owner: self }
-    }
-
-    /// Block-statistics changes made under the lock, into this thread's counters.
-    #[cold]
-    fn settle(&self, d: &crate::stats::Delta) {
-        if !self.closing.load(Ordering::Relaxed) {
-            self.caches.settle(self.id, d);
+        let closing = self.closing.load(Ordering::Relaxed);
+        // This thread's counters, found before the lock is taken (a thread's first call makes
+        // its cache, which takes the registry's locks).
+        let mine = if closing { None } else { self.caches.mine_stats(self.id) };
+        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut retired = None;
+        match mine {
+            // SAFETY: this thread's counters, which its cache keeps alive while this allocator
+            // is (we are in one of its calls), written by this thread only; cleared when the
+            // `Locked` is dropped, before the state lock is let go.
+            Some((to, slack)) => unsafe { g.sink.point(to, slack) },
+            None if !closing => {
+                retired = Some(self.caches.retired_lock());
+                let to = g.sink.retired();
+                // SAFETY: the retired counters live as long as the board; we hold their lock
+                // until the sink is cleared (`Locked`'s drop clears it, then lets go).
+                unsafe { g.sink.point(to, crate::stats::MIN_BYTE_SLACK) }
+            }
+            // The allocator is being dropped: no statistics are kept.
+            None => g.sink.clear(),
         }
+        Locked { guard: Some(g), retired, owner: self }
     }
 
     /// Takes every block out of every thread cache and files it in its free set.

@@ -16,7 +16,7 @@ use crate::error::Error;
 use crate::id::{EventId, PoolId, PoolRef, StreamKey, StreamRef};
 use crate::rules::{self, should_split};
 use crate::snapshot::BlockState;
-use crate::stats::{Counters, Delta, PoolCounters};
+use crate::stats::{Counters, PoolCounters};
 use crate::trace::{Action, TraceEntry};
 
 /// A multiply-rotate hasher for the small integer keys of the allocator's maps: SipHash's
@@ -251,9 +251,9 @@ pub(super) struct State {
     pub(super) uses: IdMap<BlockIdx, Vec<Use>>,
     /// Segment-side counters.
     pub(super) stats: Counters,
-    /// Block-side counter changes of the locked section under way, for the calling thread's
-    /// statistics (applied when the lock is let go: see `caching::Locked`).
-    pub(super) delta: Delta,
+    /// Where the block-side counter changes of the locked section under way go (the calling
+    /// thread's statistics: see `caching::Locked`).
+    pub(super) sink: super::tcache::Sink,
     pub(super) tick: u64,
     pub(super) error: Option<Error>,
     /// Events and segment frees for outside the lock (see `DeviceAllocator::flush`).
@@ -276,6 +276,7 @@ impl State {
         default_pool: PoolSpec,
         allocator: crate::id::AllocatorId,
         device: usize,
+        board: crate::sync::Arc<crate::stats::Board>,
     ) -> State {
         State {
             config,
@@ -300,7 +301,7 @@ impl State {
             raw: IdMap::default(),
             uses: IdMap::default(),
             stats: Counters::default(),
-            delta: Delta::default(),
+            sink: super::tcache::Sink::new(board),
             tick: 0,
             error: None,
             outbox: Vec::new(),
@@ -438,7 +439,7 @@ impl State {
         let blk = self.block(b);
         if blk.state == BlockState::Free && blk.is_split() {
             let (small, size) = (blk.small, blk.size);
-            self.delta.on_inactive_split(small, size, add);
+            self.sink.on_inactive_split(small, size, add);
         }
     }
 
@@ -480,7 +481,7 @@ impl State {
         b.requested = requested;
         let (size, addr) = (b.size, b.addr);
         let oversize = size >= self.config.max_split_size;
-        self.delta.on_alloc(small, size, requested, oversize);
+        self.sink.on_alloc(small, size, requested, oversize);
         if pool != Slot::DEFAULT {
             self.pools[pool.get()].stats.on_alloc(size, requested);
         }
@@ -523,7 +524,7 @@ impl State {
             Vec::new()
         };
         let oversize = size >= self.config.max_split_size;
-        self.delta.on_free_requested(small, size, requested, oversize);
+        self.sink.on_free_requested(small, size, requested, oversize);
         if pool != Slot::DEFAULT {
             self.pools[pool.get()].stats.on_free_requested(size, requested);
         }
@@ -547,7 +548,7 @@ impl State {
         }
         let b = self.block(block);
         let (small, size) = (b.small, b.size);
-        self.delta.on_free_completed(small, size);
+        self.sink.on_free_completed(small, size);
         self.file_free(block);
     }
 
@@ -575,7 +576,7 @@ impl State {
         let blk = self.block(b);
         if blk.is_split() {
             let (small, size) = (blk.small, blk.size);
-            self.delta.on_inactive_split(small, size, add);
+            self.sink.on_inactive_split(small, size, add);
         }
     }
 

@@ -31,7 +31,9 @@
 //! allocator's state lock may be held when they are taken (a thread's first call makes its
 //! cache; statistics of a thread with no locals go to `retired`), never the other way round.
 
+#[cfg(not(loom))]
 use std::cell::RefCell;
+use std::ptr::NonNull;
 
 use super::state::BlockIdx;
 use crate::id::{AllocatorId, StreamKey};
@@ -338,6 +340,76 @@ impl Owner {
     }
 }
 
+/// Where a locked section's block-statistics changes go, written in place: the calling
+/// thread's counters, or `retired` (under its lock) for a thread whose locals are gone; nowhere
+/// while the allocator is dropped.
+#[derive(Debug)]
+pub(super) struct Sink {
+    board: Arc<Board>,
+    to: Option<NonNull<ThreadStats>>,
+    slack: i64,
+}
+
+// SAFETY: `to` is only set for the span of a locked section, by the thread that holds the
+// lock, and read in that section only (see `Sink::point`); the counters it names are atomics.
+unsafe impl Send for Sink {}
+
+impl Sink {
+    pub(super) fn new(board: Arc<Board>) -> Sink {
+        Sink { board, to: None, slack: MIN_BYTE_SLACK }
+    }
+
+    /// The counters of this locked section.
+    ///
+    /// # Safety
+    /// `to` must stay alive until [`clear`](Self::clear) and be written by no one else meanwhile:
+    /// this thread's own counters (alive while its cache is, which outlives the call that holds
+    /// the lock), or `board.retired` with the retired lock held.
+    #[inline(always)]
+    pub(super) unsafe fn point(&mut self, to: NonNull<ThreadStats>, slack: i64) {
+        self.to = Some(to);
+        self.slack = slack;
+    }
+
+    /// The retired counters (the caller holds the retired lock until `clear`).
+    pub(super) fn retired(&self) -> NonNull<ThreadStats> {
+        NonNull::from(&*self.board.retired)
+    }
+
+    #[inline(always)]
+    pub(super) fn clear(&mut self) {
+        self.to = None;
+    }
+
+    #[inline(always)]
+    fn with(&self, f: impl FnOnce(&ThreadStats, &Board, i64)) {
+        if let Some(p) = self.to {
+            // SAFETY: `point`'s contract: alive and ours until `clear`.
+            f(unsafe { p.as_ref() }, &self.board, self.slack)
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn on_alloc(&self, small: bool, size: usize, requested: usize, oversize: bool) {
+        self.with(|t, b, s| t.on_alloc(b, s, small, size, requested, oversize));
+    }
+
+    #[inline(always)]
+    pub(super) fn on_free_requested(&self, small: bool, size: usize, requested: usize, oversize: bool) {
+        self.with(|t, b, s| t.on_free_requested(b, s, small, size, requested, oversize));
+    }
+
+    #[inline(always)]
+    pub(super) fn on_free_completed(&self, small: bool, size: usize) {
+        self.with(|t, b, s| t.on_free_completed(b, s, small, size));
+    }
+
+    #[inline(always)]
+    pub(super) fn on_inactive_split(&self, small: bool, size: usize, add: bool) {
+        self.with(|t, b, s| t.on_inactive_split(b, s, small, size, add));
+    }
+}
+
 /// An allocator's thread caches.
 #[derive(Debug, Default)]
 pub(super) struct Registry {
@@ -346,7 +418,7 @@ pub(super) struct Registry {
     /// were already gone), written under its commit lock only.
     /// Held while `board.retired` is written.
     retired_lock: Mutex<()>,
-    pub(super) board: Board,
+    pub(super) board: Arc<Board>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -405,14 +477,16 @@ impl Registry {
         None
     }
 
-    /// Applies a locked section's statistics changes to this thread's counters, or to
-    /// `retired` when this thread has none.
-    pub(super) fn settle(&self, id: AllocatorId, d: &crate::stats::Delta) {
-        let board = &self.board;
-        if self.with_mine(id, |o| o.stats().apply(board, o.slack, d)).is_none() {
-            let _g = lock(&self.retired_lock);
-            board.retired.apply(board, MIN_BYTE_SLACK, d);
-        }
+    /// This thread's counters for allocator `id` and their byte slack, for a locked section
+    /// (`None`: this thread's locals are gone or in use).
+    #[inline(always)]
+    pub(super) fn mine_stats(&self, id: AllocatorId) -> Option<(NonNull<ThreadStats>, i64)> {
+        self.with_mine(id, |o| (NonNull::from(o.stats()), o.slack))
+    }
+
+    /// The lock under which `board.retired` is written.
+    pub(super) fn retired_lock(&self) -> MutexGuard<'_, ()> {
+        lock(&self.retired_lock)
     }
 
     /// Takes every cached block out of every thread cache; forgets the caches of exited threads
@@ -534,12 +608,8 @@ mod loom_tests {
                 let own = reg.make();
                 let r = reg.clone();
                 handles.push(loom::thread::spawn(move || {
-                    let mut up = crate::stats::Delta::default();
-                    up.on_inactive_split(true, 512, true);
-                    own.stats().apply(&r.board, MIN_BYTE_SLACK, &up);
-                    let mut down = crate::stats::Delta::default();
-                    down.on_inactive_split(true, 512, false);
-                    own.stats().apply(&r.board, MIN_BYTE_SLACK, &down);
+                    own.stats().on_inactive_split(&r.board, MIN_BYTE_SLACK, true, 512, true);
+                    own.stats().on_inactive_split(&r.board, MIN_BYTE_SLACK, true, 512, false);
                     own
                 }));
             }
