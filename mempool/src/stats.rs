@@ -236,21 +236,25 @@ impl Counters {
 // Every change to the block-side counters (allocations, active and inactive-split blocks,
 // allocated, active, requested bytes, oversize allocations) is made by some thread, and goes to
 // that thread's [`ThreadStats`]: its current values and totals, atomics written by that thread
-// only (a load and a store, no read-modify-write). A device-wide *current* value is the sum over
-// threads (`Board::sum`): exact whenever the allocator is quiescent.
+// only (a load and a store, no read-modify-write), per counter and pool kind (small, large); the
+// "all" figures are their sums. A device-wide *current* value is the sum over threads
+// (`Board::sum`): exact whenever the allocator is quiescent.
 //
-// A *peak* cannot be summed. Each thread also keeps, per counter, `committed`: how much of its
-// current value it has added to a device-wide atomic `g` (so `g` = Σ committed). When a thread's
-// current value rises above its committed one, it commits the difference (`g.fetch_add`); when it
-// falls more than a slack below, it commits the decrease. `g` is a filter: only when a commit
-// takes `g` above the peak is the true sum read from every thread (`Board::current`, under the
-// members' lock), and the peak becomes the smaller of the two. So
-// - with one thread at a time (threads taking turns, and after a peak reset too) the peak is
-//   exact: the true value passes the old peak only by some thread rising above its committed
-//   value, which commits, finds `g` above the peak and reads the true sum;
-// - with threads racing, the sum read may miss what the others change meanwhile;
-// - a thread that cycles allocations and frees within its slack (the hot case) touches no
-//   shared cache line at all.
+// A *peak* cannot be summed. Each thread also keeps, per entry, `committed`: how much of its
+// current value it has added to a device-wide atomic `g` (so `g` = Σ committed, and never below
+// the true sum: a thread commits at once when its value rises above what it committed, and
+// lets it fall up to a slack below before it commits the decrease). Only when a commit takes
+// `g` (for "all": the two kinds' `g` together) above the peak is the true sum read from every
+// thread (`Board::census`, under the members' lock); the peak becomes the smaller of the two.
+// When the census finds the true sum below `g` (some thread has let its value fall without
+// committing), it starts a new *epoch*; each thread, at its next change, first commits every
+// entry (so its committed values equal its current ones again). Hence, with one thread at a
+// time (threads taking turns included), the peak is exact: between censuses, the true value can
+// pass the peak only through a thread's value rising above what it committed after the last
+// census, which commits, finds `g` above the peak and reads the true sum. With threads racing,
+// the sum read may miss what the others change meanwhile. A thread that cycles allocations and
+// frees within its slack (the hot case) touches no shared cache line but the epoch, which it
+// only reads.
 // ---------------------------------------------------------------------------------------------
 
 /// Block-side counters, in this order; each has all / small / large. (The scheme: see the
@@ -264,8 +268,10 @@ pub(crate) const INACTIVE_SPLIT_BYTES: usize = 5;
 pub(crate) const REQUESTED_BYTES: usize = 6;
 pub(crate) const OVERSIZE_ALLOCATIONS: usize = 7;
 const STATS: usize = 8;
-/// Entries: counter * 3 + (0 all, 1 small, 2 large).
+/// Public entries: counter * 3 + (0 all, 1 small, 2 large).
 pub(crate) const N: usize = STATS * 3;
+/// Per-thread entries: counter * 2 + (0 small, 1 large).
+const M: usize = STATS * 2;
 
 /// How far below its committed value a thread's count may fall before it commits.
 const COUNT_SLACK: i64 = 4096;
@@ -273,26 +279,19 @@ const COUNT_SLACK: i64 = 4096;
 pub(crate) const MIN_BYTE_SLACK: i64 = 1 << 30;
 const MAX_BYTE_SLACK: i64 = 16 << 30;
 
-/// Bit `i`: entry `i` counts bytes.
-const BYTES: u32 = {
-    let mut m = 0u32;
-    let mut s = 0;
-    while s < STATS {
-        if matches!(s, ALLOCATED_BYTES | ACTIVE_BYTES | INACTIVE_SPLIT_BYTES | REQUESTED_BYTES) {
-            m |= 0b111 << (s * 3);
-        }
-        s += 1;
-    }
-    m
-};
+#[inline(always)]
+const fn is_bytes(s: usize) -> bool {
+    matches!(s, ALLOCATED_BYTES | ACTIVE_BYTES | INACTIVE_SPLIT_BYTES | REQUESTED_BYTES)
+}
 
-/// The device-wide side: `g[i]` = Σ over threads of their committed values, `peak[i]` the
-/// peak; and every thread's counters (`members`, and `retired` for threads that exited), so
-/// that a new peak is checked against the true sum.
+/// The device-wide side: `g[e]` = Σ over threads of their committed values, `peak[i]` the
+/// peaks (public entries), the epoch; and every thread's counters (`members`, and `retired` for
+/// threads that exited), so that a new peak is checked against the true sum.
 #[derive(Debug)]
 pub(crate) struct Board {
-    g: [AtomicI64; N],
+    g: [AtomicI64; M],
     peak: [AtomicI64; N],
+    epoch: AtomicU64,
     members: Mutex<Vec<Arc<ThreadStats>>>,
     /// Written only under the registry's retired lock.
     pub(crate) retired: Arc<ThreadStats>,
@@ -303,6 +302,7 @@ impl Default for Board {
         Board {
             g: std::array::from_fn(|_| AtomicI64::new(0)),
             peak: std::array::from_fn(|_| AtomicI64::new(0)),
+            epoch: AtomicU64::new(0),
             members: Mutex::new(Vec::new()),
             retired: Arc::new(ThreadStats::default()),
         }
@@ -319,9 +319,11 @@ fn lock_members(m: &Mutex<Vec<Arc<ThreadStats>>>) -> MutexGuard<'_, Vec<Arc<Thre
 /// lock; read by anyone.
 #[derive(Debug)]
 pub(crate) struct ThreadStats {
-    cur: [AtomicI64; N],
-    total: [AtomicU64; N],
-    committed: [AtomicI64; N],
+    cur: [AtomicI64; M],
+    total: [AtomicU64; M],
+    committed: [AtomicI64; M],
+    /// The board's epoch when this thread last committed everything.
+    seen: AtomicU64,
 }
 
 impl Default for ThreadStats {
@@ -330,17 +332,8 @@ impl Default for ThreadStats {
             cur: std::array::from_fn(|_| AtomicI64::new(0)),
             total: std::array::from_fn(|_| AtomicU64::new(0)),
             committed: std::array::from_fn(|_| AtomicI64::new(0)),
+            seen: AtomicU64::new(0),
         }
-    }
-}
-
-/// How far a thread's counter may lag below what it committed (`byte_slack` for byte counters).
-#[inline(always)]
-fn slack_of(i: usize, byte_slack: i64) -> i64 {
-    if BYTES >> i & 1 != 0 {
-        byte_slack
-    } else {
-        COUNT_SLACK
     }
 }
 
@@ -352,49 +345,72 @@ pub(crate) fn slack_for(size: usize) -> i64 {
 }
 
 impl ThreadStats {
-    /// Its thread (the only writer of `cur` and `total`) changes entry `i` by `n`.
+    /// Its thread (the only writer) changes counter `s` of one pool kind by `n`.
     #[inline(always)]
-    fn bump(&self, board: &Board, i: usize, n: i64, byte_slack: i64) {
-        let c = self.cur[i].load(Ordering::Relaxed) + n;
-        self.cur[i].store(c, Ordering::Relaxed);
+    fn change(&self, board: &Board, s: usize, small: bool, n: i64, byte_slack: i64) {
+        let e = s * 2 + !small as usize;
+        let c = self.cur[e].load(Ordering::Relaxed) + n;
+        self.cur[e].store(c, Ordering::Relaxed);
         if n > 0 {
-            let t = self.total[i].load(Ordering::Relaxed) + n as u64;
-            self.total[i].store(t, Ordering::Relaxed);
+            let t = self.total[e].load(Ordering::Relaxed) + n as u64;
+            self.total[e].store(t, Ordering::Relaxed);
         }
-        let k = self.committed[i].load(Ordering::Relaxed);
-        if c > k || k - c > slack_of(i, byte_slack) {
-            self.commit(board, i);
+        let k = self.committed[e].load(Ordering::Relaxed);
+        let slack = if is_bytes(s) { byte_slack } else { COUNT_SLACK };
+        if c > k || k - c > slack {
+            self.commit(board, e);
         }
     }
 
     #[inline(never)]
-    fn commit(&self, board: &Board, i: usize) {
-        let c = self.cur[i].load(Ordering::Relaxed);
-        let d = c - self.committed[i].load(Ordering::Relaxed);
+    fn commit(&self, board: &Board, e: usize) {
+        let c = self.cur[e].load(Ordering::Relaxed);
+        let d = c - self.committed[e].load(Ordering::Relaxed);
         if d == 0 {
             return;
         }
-        let g = board.g[i].fetch_add(d, Ordering::Relaxed) + d;
-        self.committed[i].store(c, Ordering::Relaxed);
-        // A read first: most commits set no new peak, and a load leaves the line shared. `g`
-        // still holds other threads' decreases within their slack (an idle thread's frees are
-        // never committed): a new peak is the true sum, read from every thread, when lower.
-        if d > 0 && g > board.peak[i].load(Ordering::Relaxed) {
-            let now = board.current(i);
-            board.peak[i].fetch_max(g.min(now), Ordering::Relaxed);
+        let g = board.g[e].fetch_add(d, Ordering::Relaxed) + d;
+        self.committed[e].store(c, Ordering::Relaxed);
+        if d > 0 {
+            // The other kind's decreases first, so that "all" below holds no slack of ours
+            // (else the census would find the true sum below the filter and start an epoch).
+            if self.cur[e ^ 1].load(Ordering::Relaxed) != self.committed[e ^ 1].load(Ordering::Relaxed) {
+                self.commit(board, e ^ 1);
+            }
+            // A read first: most commits set no new peak, and a load leaves the line shared.
+            let (s, large) = (e / 2, e % 2);
+            if g > board.peak[s * 3 + 1 + large].load(Ordering::Relaxed) {
+                board.census(s * 3 + 1 + large, g);
+            }
+            let all = g + board.g[e ^ 1].load(Ordering::Relaxed);
+            if all > board.peak[s * 3].load(Ordering::Relaxed) {
+                board.census(s * 3, all);
+            }
         }
     }
 
+    /// Before a change: if a census started a new epoch since this thread last looked, it
+    /// commits everything first (see the comment above [`ALLOCATION`]).
     #[inline(always)]
-    fn change(&self, board: &Board, s: usize, small: bool, n: i64, byte_slack: i64) {
-        self.bump(board, s * 3, n, byte_slack);
-        self.bump(board, s * 3 + 2 - small as usize, n, byte_slack);
+    fn sync(&self, board: &Board) {
+        let e = board.epoch.load(Ordering::Relaxed);
+        if e != self.seen.load(Ordering::Relaxed) {
+            self.resync(board, e);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn resync(&self, board: &Board, epoch: u64) {
+        self.seen.store(epoch, Ordering::Relaxed);
+        self.commit_all(board);
     }
 
     /// A cached block handed out again by its thread (as `on_alloc`; `split`: it leaves
     /// the inactive-split counts).
     #[inline(always)]
     pub(crate) fn on_reuse(&self, board: &Board, slack: i64, small: bool, size: usize, requested: usize, split: bool) {
+        self.sync(board);
         if split {
             self.change(board, INACTIVE_SPLIT, small, -1, slack);
             self.change(board, INACTIVE_SPLIT_BYTES, small, -(size as i64), slack);
@@ -410,6 +426,7 @@ impl ThreadStats {
     /// segment counts as inactive-split, as it would in its free set.
     #[inline(always)]
     pub(crate) fn on_cache(&self, board: &Board, slack: i64, small: bool, size: usize, requested: usize, split: bool) {
+        self.sync(board);
         self.change(board, ALLOCATION, small, -1, slack);
         self.change(board, ALLOCATED_BYTES, small, -(size as i64), slack);
         self.change(board, REQUESTED_BYTES, small, -(requested as i64), slack);
@@ -432,6 +449,7 @@ impl ThreadStats {
         requested: usize,
         oversize: bool,
     ) {
+        self.sync(board);
         self.change(board, ALLOCATION, small, 1, slack);
         self.change(board, ALLOCATED_BYTES, small, size as i64, slack);
         self.change(board, ACTIVE, small, 1, slack);
@@ -453,6 +471,7 @@ impl ThreadStats {
         requested: usize,
         oversize: bool,
     ) {
+        self.sync(board);
         self.change(board, ALLOCATION, small, -1, slack);
         self.change(board, ALLOCATED_BYTES, small, -(size as i64), slack);
         self.change(board, REQUESTED_BYTES, small, -(requested as i64), slack);
@@ -464,6 +483,7 @@ impl ThreadStats {
     /// A freed block is back in its free set (every stream that used it is done).
     #[inline(always)]
     pub(crate) fn on_free_completed(&self, board: &Board, slack: i64, small: bool, size: usize) {
+        self.sync(board);
         self.change(board, ACTIVE, small, -1, slack);
         self.change(board, ACTIVE_BYTES, small, -(size as i64), slack);
     }
@@ -471,38 +491,53 @@ impl ThreadStats {
     /// A free block of a split segment entered (`add`) or left the inactive-split counts.
     #[inline(always)]
     pub(crate) fn on_inactive_split(&self, board: &Board, slack: i64, small: bool, size: usize, add: bool) {
+        self.sync(board);
         let (n, b) = if add { (1, size as i64) } else { (-1, -(size as i64)) };
         self.change(board, INACTIVE_SPLIT, small, n, slack);
         self.change(board, INACTIVE_SPLIT_BYTES, small, b, slack);
     }
 
-    /// Commits every counter (by its only writer).
+    /// Commits every entry (by its only writer).
     pub(crate) fn commit_all(&self, board: &Board) {
-        for i in 0..N {
-            self.commit(board, i);
+        for e in 0..M {
+            self.commit(board, e);
         }
     }
 
     /// Adds the counters of a thread that has exited (committed values included: `g` stays
     /// Σ committed), then commits; the caller is the only writer of `self`.
     pub(crate) fn absorb(&self, board: &Board, other: &ThreadStats) {
-        for i in 0..N {
+        for e in 0..M {
             let add = |a: &AtomicI64, b: &AtomicI64| {
                 a.store(a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed), Ordering::Relaxed)
             };
-            add(&self.cur[i], &other.cur[i]);
-            add(&self.committed[i], &other.committed[i]);
-            let t = self.total[i].load(Ordering::Relaxed) + other.total[i].load(Ordering::Relaxed);
-            self.total[i].store(t, Ordering::Relaxed);
-            self.commit(board, i);
+            add(&self.cur[e], &other.cur[e]);
+            add(&self.committed[e], &other.committed[e]);
+            let t = self.total[e].load(Ordering::Relaxed) + other.total[e].load(Ordering::Relaxed);
+            self.total[e].store(t, Ordering::Relaxed);
+            self.commit(board, e);
         }
     }
 
-    /// Adds the current values and totals into `sum`.
+    /// Adds the current values and totals into `sum` (public entries).
     pub(crate) fn add_into(&self, sum: &mut Sum) {
-        for i in 0..N {
-            sum.cur[i] += self.cur[i].load(Ordering::Relaxed);
-            sum.total[i] += self.total[i].load(Ordering::Relaxed);
+        for e in 0..M {
+            let (s, large) = (e / 2, e % 2);
+            let (c, t) = (self.cur[e].load(Ordering::Relaxed), self.total[e].load(Ordering::Relaxed));
+            for i in [s * 3, s * 3 + 1 + large] {
+                sum.cur[i] += c;
+                sum.total[i] += t;
+            }
+        }
+    }
+
+    /// Public entry `i` of this thread now.
+    fn current(&self, i: usize) -> i64 {
+        let (s, k) = (i / 3, i % 3);
+        let at = |e: usize| self.cur[e].load(Ordering::Relaxed);
+        match k {
+            0 => at(s * 2) + at(s * 2 + 1),
+            _ => at(s * 2 + k - 1),
         }
     }
 }
@@ -522,10 +557,21 @@ impl Board {
         lock_members(&self.members).retain(|m| !Arc::ptr_eq(m, t));
     }
 
-    /// Entry `i` summed over every thread now (exact when they are quiescent).
-    fn current(&self, i: usize) -> i64 {
-        let m = lock_members(&self.members);
-        m.iter().map(|t| t.cur[i].load(Ordering::Relaxed)).sum::<i64>() + self.retired.cur[i].load(Ordering::Relaxed)
+    /// A commit took the filter of public entry `i` to `g`, above the peak: the true sum is
+    /// read, the peak becomes the smaller of the two, and if some thread's uncommitted
+    /// decreases made `g` too high, a new epoch makes every thread commit before its next
+    /// change.
+    #[cold]
+    #[inline(never)]
+    fn census(&self, i: usize, g: i64) {
+        let now = {
+            let m = lock_members(&self.members);
+            m.iter().map(|t| t.current(i)).sum::<i64>() + self.retired.current(i)
+        };
+        self.peak[i].fetch_max(g.min(now), Ordering::Relaxed);
+        if now < g {
+            self.epoch.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Every entry summed over threads.
@@ -539,9 +585,11 @@ impl Board {
         sum
     }
 
-    /// The peaks start again from the values now (a later one is checked against the true
-    /// sum, so other threads' uncommitted decreases do not count).
+    /// The peaks start again from the values now; a new epoch makes every thread commit
+    /// before its next change (so a later peak is checked against the true sum with nobody's
+    /// uncommitted decreases in the filter).
     pub(crate) fn reset_peaks(&self) {
+        self.epoch.fetch_add(1, Ordering::Relaxed);
         let now = self.sum();
         for i in 0..N {
             self.peak[i].store(now.cur[i], Ordering::Relaxed);
