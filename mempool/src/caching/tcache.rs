@@ -140,6 +140,8 @@ pub(super) struct Owner {
     bypass: u32,
     /// The way evicted next when a set is full.
     victim: usize,
+    /// The bin used last.
+    last: usize,
 }
 
 /// Puts per window of the hit-rate check.
@@ -191,6 +193,7 @@ impl Owner {
             hits: 0,
             bypass: 0,
             victim: 0,
+            last: 0,
         }
     }
 
@@ -198,14 +201,23 @@ impl Owner {
         &self.shared.stats
     }
 
+    /// The bin holding blocks of (stream, size, bytes asked for), if one does: the bin used
+    /// last first (a thread that cycles one size finds it there), then the key's set.
+    #[inline(always)]
+    fn find(&self, stream: StreamKey, size: usize, requested: usize) -> Option<usize> {
+        let same = |m: &Meta| m.n > 0 && m.requested == requested && m.size == size && m.stream == stream;
+        if same(&self.meta[self.last % BINS]) {
+            return Some(self.last % BINS);
+        }
+        let set = set_of(stream, requested);
+        (set..set + WAYS).find(|&i| same(&self.meta[i]))
+    }
+
     /// A cached block for a request of `size` bytes (rounded) on `stream`, counted as allocated.
     #[inline(always)]
     pub(super) fn take(&mut self, board: &Board, stream: StreamKey, size: usize, requested: usize) -> Option<Hit> {
-        let set = set_of(stream, requested);
-        let i = (set..set + WAYS).find(|&i| {
-            let m = &self.meta[i];
-            m.n > 0 && m.requested == requested && m.size == size && m.stream == stream
-        })?;
+        let i = self.find(stream, size, requested)?;
+        self.last = i;
         let m = &mut self.meta[i];
         // Walk down past slots a drain emptied.
         while m.n > 0 {
@@ -257,21 +269,23 @@ impl Owner {
         if self.bytes + size > MAX_BYTES {
             return Put::Refused;
         }
-        let set = set_of(stream, requested);
-        let same = |m: &Meta| m.n > 0 && m.requested == requested && m.size == size && m.stream == stream;
-        let i = match (set..set + WAYS).find(|&i| same(&self.meta[i])) {
+        let i = match self.find(stream, size, requested) {
             Some(i) => i,
-            None => match (set..set + WAYS).find(|&i| self.meta[i].n == 0) {
-                Some(i) => i,
-                None => {
-                    self.victim = (self.victim + 1) % WAYS;
-                    set + self.victim
+            None => {
+                let set = set_of(stream, requested);
+                match (set..set + WAYS).find(|&i| self.meta[i].n == 0) {
+                    Some(i) => i,
+                    None => {
+                        self.victim = (self.victim + 1) % WAYS;
+                        set + self.victim
+                    }
                 }
-            },
+            }
         };
+        self.last = i;
         let mut out = Put::Cached;
-        let m = self.meta[i];
-        if m.n > 0 && !same(&m) {
+        let m = &mut self.meta[i];
+        if m.n > 0 && !(m.requested == requested && m.size == size && m.stream == stream) {
             let mut old = [None; PER_BIN];
             for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
                 let v = s.swap(0, Ordering::Acquire);
@@ -280,12 +294,11 @@ impl Owner {
                 }
             }
             self.bytes -= m.size * m.n;
-            self.meta[i] = EMPTY;
+            *m = EMPTY;
             out = Put::Evicted(old);
         } else if m.n == PER_BIN {
             return Put::Refused;
         }
-        let m = &mut self.meta[i];
         if m.n == 0 {
             *m = Meta { stream, size, requested, small, n: 0, addr: [0; PER_BIN] };
         }
@@ -300,8 +313,12 @@ impl Owner {
         m.addr[m.n] = addr;
         m.n += 1;
         self.bytes += size;
+        // Always stored (after the slot): a drain that cleared the flag without seeing the slot
+        // leaves it set for the next one.
         self.shared.filled.store(true, Ordering::Release);
-        self.slack = self.slack.max(slack_for(size));
+        if (size as i64) > self.slack / 2 {
+            self.slack = self.slack.max(slack_for(size));
+        }
         self.shared.stats.on_cache(board, self.slack, small, size, requested, split);
         out
     }
