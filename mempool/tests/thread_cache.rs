@@ -251,3 +251,28 @@ fn cached_blocks_stay_on_their_stream() {
     drop(z);
     check_invariants(&a, Some(&sim));
 }
+
+/// One thread: a small block goes into the cache (its kind's count falls within the slack), a
+/// large allocation rises to a new peak, then the small block is reused. Every figure of "all"
+/// must reach small + large, though the small kind only rose back to what it had committed.
+#[test]
+fn peak_of_all_counts_one_kind_rising_back_after_the_others_peak() {
+    for cache in [true, false] {
+        let config = Config::builder().thread_cache(cache).build().unwrap();
+        let a = Allocator::sim_with(SimDevice::new(1 << 30), config);
+        let s1 = a.alloc::<u8>(512 << 10).unwrap();
+        let l1 = a.alloc::<u8>(2 * MIB).unwrap();
+        drop(s1);
+        let l2 = a.alloc::<u8>(4 * MIB).unwrap();
+        let s2 = a.alloc::<u8>(512 << 10).unwrap();
+        // Freed before the figures are read (a peak never reads below the current value).
+        drop((l1, l2, s2));
+        let want = ((512 << 10) + 6 * MIB) as i64;
+        let s = a.memory_stats();
+        assert_eq!(
+            (s.allocated_bytes.all.peak, s.requested_bytes.all.peak, s.allocation.all.peak, s.active_bytes.all.peak),
+            (want, want, 3, want),
+            "thread_cache:{cache}"
+        );
+    }
+}
