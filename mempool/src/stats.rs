@@ -248,8 +248,8 @@ impl Counters {
 // thread (`Board::census`, under the members' lock); the peak becomes the smaller of the two.
 // So the peak is exact while one thread works and the others hold no uncommitted decreases
 // (one thread; threads that take turns without caching in between). It can fall short when a
-// thread rises back within its slack after another thread's census (`f1b` in
-// `tests/thread_cache_attacks.rs`, ignored: it documents this gap); making every thread commit
+// thread rises back within its slack after another thread's census (RELIABILITY.md, "Known
+// gaps", gives the sequence); making every thread commit
 // after such a census was tried and collapsed 16 threads to a twentieth of their throughput
 // (each census set off commits that set off the next census). With threads racing, the sum read
 // may miss what the others change meanwhile. A thread that cycles allocations and frees within
