@@ -389,28 +389,19 @@ impl ThreadStats {
     #[inline(always)]
     pub(crate) fn on_reuse(&self, board: &Board, slack: i64, small: bool, size: usize, requested: usize, split: bool) {
         if split {
-            self.change(board, INACTIVE_SPLIT, small, -1, slack);
-            self.change(board, INACTIVE_SPLIT_BYTES, small, -(size as i64), slack);
+            self.on_inactive_split(board, slack, small, size, false);
         }
-        self.change(board, ALLOCATION, small, 1, slack);
-        self.change(board, ALLOCATED_BYTES, small, size as i64, slack);
-        self.change(board, ACTIVE, small, 1, slack);
-        self.change(board, ACTIVE_BYTES, small, size as i64, slack);
-        self.change(board, REQUESTED_BYTES, small, requested as i64, slack);
+        self.on_alloc(board, slack, small, size, requested, false);
     }
 
     /// A block freed into its thread's cache: no longer allocated nor active; a block of a split
     /// segment counts as inactive-split, as it would in its free set.
     #[inline(always)]
     pub(crate) fn on_cache(&self, board: &Board, slack: i64, small: bool, size: usize, requested: usize, split: bool) {
-        self.change(board, ALLOCATION, small, -1, slack);
-        self.change(board, ALLOCATED_BYTES, small, -(size as i64), slack);
-        self.change(board, REQUESTED_BYTES, small, -(requested as i64), slack);
-        self.change(board, ACTIVE, small, -1, slack);
-        self.change(board, ACTIVE_BYTES, small, -(size as i64), slack);
+        self.on_free_requested(board, slack, small, size, requested, false);
+        self.on_free_completed(board, slack, small, size);
         if split {
-            self.change(board, INACTIVE_SPLIT, small, 1, slack);
-            self.change(board, INACTIVE_SPLIT_BYTES, small, size as i64, slack);
+            self.on_inactive_split(board, slack, small, size, true);
         }
     }
 
