@@ -119,6 +119,14 @@ struct Meta {
     addr: [u64; PER_BIN],
 }
 
+impl Meta {
+    /// Whether this bin holds blocks of (stream, size, bytes asked for).
+    #[inline(always)]
+    fn holds(&self, stream: StreamKey, size: usize, requested: usize) -> bool {
+        self.n > 0 && self.requested == requested && self.size == size && self.stream == stream
+    }
+}
+
 const EMPTY: Meta = Meta { stream: StreamKey(0), size: 0, requested: 0, small: false, n: 0, addr: [0; PER_BIN] };
 
 /// A thread's cache of one allocator, as its thread holds it.
@@ -205,12 +213,11 @@ impl Owner {
     /// last first (a thread that cycles one size finds it there), then the key's set.
     #[inline(always)]
     fn find(&self, stream: StreamKey, size: usize, requested: usize) -> Option<usize> {
-        let same = |m: &Meta| m.n > 0 && m.requested == requested && m.size == size && m.stream == stream;
-        if same(&self.meta[self.last % BINS]) {
+        if self.meta[self.last % BINS].holds(stream, size, requested) {
             return Some(self.last % BINS);
         }
         let set = set_of(stream, requested);
-        (set..set + WAYS).find(|&i| same(&self.meta[i]))
+        (set..set + WAYS).find(|&i| self.meta[i].holds(stream, size, requested))
     }
 
     /// A cached block for a request of `size` bytes (rounded) on `stream`, counted as allocated.
@@ -285,7 +292,7 @@ impl Owner {
         self.last = i;
         let mut out = Put::Cached;
         let m = &mut self.meta[i];
-        if m.n > 0 && !(m.requested == requested && m.size == size && m.stream == stream) {
+        if m.n > 0 && !m.holds(stream, size, requested) {
             let mut old = [None; PER_BIN];
             for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
                 let v = s.swap(0, Ordering::Acquire);
