@@ -468,8 +468,8 @@ impl ThreadStats {
     }
 
     /// Adds the counters of a thread that has exited (committed values included: `g` stays
-    /// Σ committed), then commits; the caller is the only writer of `self`.
-    pub(crate) fn absorb(&self, board: &Board, other: &ThreadStats) {
+    /// Σ committed); the caller is the only writer of `self` and commits after.
+    fn absorb(&self, other: &ThreadStats) {
         for e in 0..M {
             let add = |a: &AtomicI64, b: &AtomicI64| {
                 a.store(a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed), Ordering::Relaxed)
@@ -478,7 +478,6 @@ impl ThreadStats {
             add(&self.committed[e], &other.committed[e]);
             let t = self.total[e].load(Ordering::Relaxed) + other.total[e].load(Ordering::Relaxed);
             self.total[e].store(t, Ordering::Relaxed);
-            self.commit(board, e);
         }
     }
 
@@ -515,9 +514,16 @@ impl Board {
         lock_members(&self.members).push(t);
     }
 
-    /// A thread's counters leave it (after `retired` absorbed them).
-    pub(crate) fn leave(&self, t: &Arc<ThreadStats>) {
-        lock_members(&self.members).retain(|m| !Arc::ptr_eq(m, t));
+    /// An exited thread's counters go into `retired` and leave the census, in one step under
+    /// the members' lock (a sum or census never sees them twice, nor misses them); then
+    /// `retired` commits. The caller holds the registry's retired lock (`retired`'s writer).
+    pub(crate) fn retire(&self, t: &Arc<ThreadStats>) {
+        {
+            let mut m = lock_members(&self.members);
+            self.retired.absorb(t);
+            m.retain(|x| !Arc::ptr_eq(x, t));
+        }
+        self.retired.commit_all(self);
     }
 
     /// A commit took the filter of public entry `i` to `g`, above the peak: the true sum is

@@ -518,8 +518,12 @@ impl Registry {
     pub(super) fn drain_all(&self, into: &mut Vec<BlockIdx>) {
         let mut list = lock(&self.list);
         list.retain(|c| {
+            // Whether its thread had exited, read before the drain: a thread that exits during
+            // the drain may have cached a block after the drain passed its slot, and its cache
+            // must stay listed for the next drain (forgetting it lost those blocks for good).
+            let orphan = c.orphan.load(Ordering::Acquire);
             c.drain(into);
-            !(c.orphan.load(Ordering::Acquire) && self.retire(c))
+            !(orphan && self.retire(c))
         });
     }
 
@@ -538,8 +542,7 @@ impl Registry {
     /// An exited thread's statistics into `retired`; true (it may be forgotten).
     fn retire(&self, c: &Shared) -> bool {
         let _g = lock(&self.retired_lock);
-        self.board.retired.absorb(&self.board, &c.stats);
-        self.board.leave(&c.stats);
+        self.board.retire(&c.stats);
         true
     }
 
