@@ -138,8 +138,10 @@ impl RegState {
             return;
         }
         match e.action {
-            Action::SegmentAlloc => self.register(e.addr, e.size),
-            Action::SegmentFree => {
+            // A physical allocation mapped into an expandable segment is registered as a
+            // segment is (each on its own: a `no_span` pool keeps buffers inside one).
+            Action::SegmentAlloc | Action::SegmentMap => self.register(e.addr, e.size),
+            Action::SegmentFree | Action::SegmentUnmap => {
                 if let Some(f) = &mut self.freed_meanwhile {
                     f.insert(e.addr);
                 }

@@ -104,6 +104,12 @@ impl Allocator<Cuda> {
         }
         let config = Config::from_env()?;
         let backend = Arc::new(CudaBackend::new(ordinal)?);
+        if config.expandable_segments && backend.vm_granularity().is_none() {
+            return Err(Error::Config(format!(
+                "{}: expandable_segments:True, but CUDA device {ordinal} has no virtual memory management",
+                crate::config::ENV_VAR
+            )));
+        }
         let ext = CudaExt::new(backend.clone());
         // Lives for the rest of the process, like the device itself.
         env_settings();

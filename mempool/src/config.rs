@@ -7,6 +7,7 @@
 //! | `max_split_size_mb` | integer > 20 | blocks this large or larger are never split, and serve only requests within 20 MiB of their size |
 //! | `garbage_collection_threshold` | 0.0 < t < 1.0 | when reserved memory passes `t` × the memory-fraction limit, fully free cached segments are given back, oldest first, before new memory is asked for |
 //! | `roundup_power2_divisions` | a power of two, or `[256:1,512:2,>:4]` (MiB interval starts, `>` for the rest) | sizes are rounded up to the next of `divisions` steps between two powers of two |
+//! | `expandable_segments` | `True` or `False` (default) | the default pools map memory on demand into one reserved address range per (stream, pool kind) instead of allocating segments: a block can grow into the pages after it, so memory fragments far less; needs a device with virtual memory management (CUDA, sim) |
 //! | `thread_cache` | `True` (default) or `False` | mempool's own: each thread keeps the blocks it freed last and reuses them for requests of the same size on the same stream without a lock; `False` gives every block to the shared best-fit sets, exactly as PyTorch places them |
 //!
 //! ```
@@ -27,7 +28,8 @@ use crate::rules::{divisions_index, LARGE_BUFFER, POWER2_INTERVALS};
 /// The environment variable read by the process-wide CUDA allocators.
 pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
 
-const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, thread_cache";
+const KEYS: &str =
+    "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache";
 const MIB: usize = 1 << 20;
 /// The most round-up divisions per power of two (steps of 1 KiB at 1 MiB).
 const MAX_DIVISIONS: usize = 1 << 10;
@@ -45,6 +47,9 @@ pub struct Config {
     pub memory_fraction: f64,
     /// Per-thread caches of recently freed blocks (see the module's table).
     pub thread_cache: bool,
+    /// The default pools map memory on demand into reserved address ranges (see the module's
+    /// table).
+    pub expandable_segments: bool,
 }
 
 impl Default for Config {
@@ -55,6 +60,7 @@ impl Default for Config {
             roundup_power2_divisions: [0; POWER2_INTERVALS],
             memory_fraction: 1.0,
             thread_cache: true,
+            expandable_segments: false,
         }
     }
 }
@@ -101,13 +107,8 @@ impl Config {
                         b.roundup_power2_divisions(parse_num(key, value, "a power of two, or [256:1,512:2,>:4]")?)
                     }
                 }
-                "thread_cache" => b.thread_cache(match value {
-                    "True" | "true" | "1" => true,
-                    "False" | "false" | "0" => false,
-                    _ => {
-                        return Err(Error::Config(format!("thread_cache: expected True or False, got `{value}`")));
-                    }
-                }),
+                "thread_cache" => b.thread_cache(parse_bool(key, value)?),
+                "expandable_segments" => b.expandable_segments(parse_bool(key, value)?),
                 other => {
                     return Err(Error::Config(format!("unknown key `{other}`; valid keys: {KEYS}")));
                 }
@@ -203,6 +204,12 @@ impl ConfigBuilder {
         self
     }
 
+    /// Expandable segments for the default pools (default: off).
+    pub fn expandable_segments(mut self, on: bool) -> Self {
+        self.config.expandable_segments = on;
+        self
+    }
+
     /// The fraction of the device's total memory the allocator may reserve.
     pub fn memory_fraction(mut self, f: f64) -> Self {
         if !(f > 0.0 && f <= 1.0) {
@@ -218,6 +225,14 @@ impl ConfigBuilder {
             Some(e) => Err(e),
             None => Ok(self.config),
         }
+    }
+}
+
+fn parse_bool(key: &str, value: &str) -> Result<bool> {
+    match value {
+        "True" | "true" | "1" => Ok(true),
+        "False" | "false" | "0" => Ok(false),
+        _ => Err(Error::Config(format!("{key}: expected True or False, got `{value}`"))),
     }
 }
 

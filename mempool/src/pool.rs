@@ -39,6 +39,8 @@ pub struct PoolOptions {
     use_on_oom: bool,
     no_split: bool,
     granularity: Option<usize>,
+    expandable: bool,
+    no_span: bool,
 }
 
 impl fmt::Debug for PoolOptions {
@@ -48,6 +50,8 @@ impl fmt::Debug for PoolOptions {
             .field("use_on_oom", &self.use_on_oom)
             .field("no_split", &self.no_split)
             .field("granularity", &self.granularity)
+            .field("expandable", &self.expandable)
+            .field("no_span", &self.no_span)
             .finish()
     }
 }
@@ -89,6 +93,26 @@ impl PoolOptions {
     /// bad value is refused by [`MemPool::on`]), on top of what the allocator asks for.
     pub fn granularity(mut self, bytes: usize) -> PoolOptions {
         self.granularity = Some(bytes);
+        self
+    }
+}
+
+impl PoolOptions {
+    /// Expandable segments: memory is mapped on demand into one reserved address range per
+    /// (stream, pool kind), so a block can grow into the pages after it and the pool fragments
+    /// far less (`expandable_segments:True` for the default pools). The backend's device memory
+    /// only: a pool with its own [`allocator`](Self::allocator) cannot be expandable, nor a
+    /// device without virtual memory management ([`MemPool::on`] refuses both).
+    pub fn expandable(mut self, yes: bool) -> PoolOptions {
+        self.expandable = yes;
+        self
+    }
+
+    /// With [`expandable`](Self::expandable): no block spans two physical allocations, and each
+    /// growth is one physical allocation, so that each can be registered on its own (NCCL before
+    /// 2.29.2 registers one physical allocation per buffer). Costs some fragmentation.
+    pub fn no_span(mut self, yes: bool) -> PoolOptions {
+        self.no_span = yes;
         self
     }
 }
@@ -157,7 +181,21 @@ impl<K: Kind> MemPool<K> {
                 )));
             }
         }
+        if options.expandable && options.allocator.is_some() {
+            return Err(Error::Config(
+                "PoolOptions: an expandable pool maps the device's memory itself; it cannot take its segments from a RawAllocator".into(),
+            ));
+        }
+        if options.expandable && alloc.shared.core.backend().vm_granularity().is_none() {
+            return Err(Error::Config(format!(
+                "PoolOptions::expandable: the {} backend of device {} has no virtual memory management",
+                alloc.backend_kind(),
+                alloc.device()
+            )));
+        }
         let spec = PoolSpec {
+            expandable: options.expandable,
+            merge_runs: !options.no_span,
             id,
             raw: options.allocator,
             use_on_oom: options.use_on_oom,

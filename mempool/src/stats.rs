@@ -210,6 +210,33 @@ impl Counters {
         self.num_device_free -= 1;
     }
 
+    /// Memory mapped into an expandable segment (`added`) or unmapped: reserved bytes and a
+    /// device call. (Its segments, the contiguous mapped ranges, are counted by `on_range`.)
+    pub(crate) fn on_map(&mut self, small: bool, size: usize, added: bool) {
+        if added {
+            self.reserved_bytes.add(small, size);
+            self.num_device_alloc += 1;
+        } else {
+            self.reserved_bytes.sub(small, size);
+            self.num_device_free += 1;
+        }
+    }
+
+    /// An unmap that failed: its memory is reserved again (no total changes).
+    pub(crate) fn on_map_restored(&mut self, small: bool, size: usize) {
+        self.reserved_bytes.unsub(small, size);
+        self.num_device_free -= 1;
+    }
+
+    /// A contiguous mapped range of an expandable segment appeared (`added`) or went.
+    pub(crate) fn on_range(&mut self, small: bool, added: bool) {
+        if added {
+            self.segment.add(small, 1);
+        } else {
+            self.segment.sub(small, 1);
+        }
+    }
+
     /// A segment obtained from the device (`added`) or given back.
     pub(crate) fn on_segment(&mut self, small: bool, size: usize, oversize: bool, added: bool, _device_call: bool) {
         if added {
@@ -615,6 +642,32 @@ impl PoolCounters {
         self.segment.unsub(1);
         self.reserved_bytes.unsub(size);
         self.num_device_free -= 1;
+    }
+
+    /// As [`Counters::on_map`], for the pool.
+    pub(crate) fn on_map(&mut self, size: usize, added: bool) {
+        if added {
+            self.reserved_bytes.add(size);
+            self.num_device_alloc += 1;
+        } else {
+            self.reserved_bytes.sub(size);
+            self.num_device_free += 1;
+        }
+    }
+
+    /// As [`Counters::on_map_restored`], for the pool.
+    pub(crate) fn on_map_restored(&mut self, size: usize) {
+        self.reserved_bytes.unsub(size);
+        self.num_device_free -= 1;
+    }
+
+    /// As [`Counters::on_range`], for the pool.
+    pub(crate) fn on_range(&mut self, added: bool) {
+        if added {
+            self.segment.add(1);
+        } else {
+            self.segment.sub(1);
+        }
     }
 
     /// As [`Counters::on_segment`], for the pool.

@@ -50,11 +50,16 @@ pub enum Action {
     SegmentFree,
     /// An allocation failed for lack of memory.
     Oom,
+    /// Memory was mapped into an expandable segment (one physical allocation; its blocks are
+    /// handed out only after the hooks have seen this).
+    SegmentMap,
+    /// Memory of an expandable segment is about to be unmapped (fired before the unmap).
+    SegmentUnmap,
 }
 
 impl Action {
     /// PyTorch's name for it (`alloc`, `free_requested`, `free_completed`, `segment_alloc`,
-    /// `segment_free`, `oom`).
+    /// `segment_free`, `oom`, `segment_map`, `segment_unmap`).
     pub fn name(self) -> &'static str {
         match self {
             Action::Alloc => "alloc",
@@ -63,6 +68,8 @@ impl Action {
             Action::SegmentAlloc => "segment_alloc",
             Action::SegmentFree => "segment_free",
             Action::Oom => "oom",
+            Action::SegmentMap => "segment_map",
+            Action::SegmentUnmap => "segment_unmap",
         }
     }
 }

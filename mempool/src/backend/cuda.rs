@@ -1,9 +1,13 @@
 //! CUDA through cudarc's driver API: `cuMemAlloc`/`cuMemFree` for segments, CUDA events for
-//! cross-stream frees. This file and `host.rs` hold the crate's only CUDA `unsafe`.
+//! cross-stream frees, `cuMemAddressReserve`/`cuMemCreate`/`cuMemMap`/`cuMemSetAccess` for
+//! expandable segments (physical allocations exportable as POSIX file descriptors where the
+//! device allows, GPUDirect RDMA capable where it says so; fabric handles are not asked for). This file and `host.rs` hold the crate's only CUDA `unsafe`.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use cudarc::driver::sys::{CUevent, CUevent_flags, CUresult, CUstream};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::sys::{self, CUevent, CUevent_flags, CUresult, CUstream};
 use cudarc::driver::{result, CudaContext, DriverError};
 
 use super::{Backend, BackendError, EventId, StreamId};
@@ -37,12 +41,76 @@ fn failed(e: DriverError) -> BackendError {
     }
 }
 
+/// What the device offers for expandable segments (probed when the backend is made).
+#[derive(Debug)]
+struct Vm {
+    /// The least page `cuMemCreate` takes.
+    granularity: usize,
+    /// Physical allocations are made exportable as POSIX file descriptors (what NCCL and IPC
+    /// use) while the device takes it; falls to no handle type, once, if `cuMemCreate` refuses.
+    posix_fd: AtomicBool,
+    /// GPUDirect RDMA on virtual-memory allocations, where the device says it can.
+    rdma: bool,
+}
+
 /// One CUDA device.
 #[derive(Debug)]
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     /// Completed events, kept for reuse (creating one costs a driver call).
     idle_events: Mutex<Vec<u64>>,
+    /// `None`: the device has no virtual memory management.
+    vm: Option<Vm>,
+}
+
+fn check(r: CUresult) -> Result<(), BackendError> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(failed(DriverError(r)))
+    }
+}
+
+impl CudaBackend {
+    fn probe_vm(ctx: &CudaContext) -> Option<Vm> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let attr = |a| ctx.attribute(a).unwrap_or(0);
+        if attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED) == 0 {
+            return None;
+        }
+        let posix_fd = attr(A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED) != 0;
+        let rdma = attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) != 0;
+        let prop = alloc_prop(ctx.ordinal(), false, false);
+        let mut g = 0usize;
+        // SAFETY: `prop` is a valid property struct and `g` a place for the answer.
+        let r = unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        };
+        (r == CUresult::CUDA_SUCCESS && g.is_power_of_two()).then(|| Vm {
+            granularity: g,
+            posix_fd: AtomicBool::new(posix_fd),
+            rdma,
+        })
+    }
+}
+
+/// The properties of a physical allocation on device `ordinal`.
+fn alloc_prop(ordinal: usize, posix_fd: bool, rdma: bool) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct of integers and a pointer, for which all zeros is valid (no
+    // handle type, no flags, a null pointer).
+    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    p.location.id = ordinal as i32;
+    if posix_fd {
+        p.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    }
+    p.allocFlags.gpuDirectRDMACapable = u8::from(rdma);
+    p
 }
 
 impl CudaBackend {
@@ -53,7 +121,8 @@ impl CudaBackend {
             return Err(Error::InvalidDevice { device: ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
-        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()) })
+        let vm = Self::probe_vm(&ctx);
+        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm })
     }
 
     /// The device's context.
@@ -151,5 +220,75 @@ unsafe impl Backend for CudaBackend {
 
     unsafe fn release_event(&self, event: EventId) {
         self.idle_events.lock().unwrap_or_else(|p| p.into_inner()).push(event.0);
+    }
+
+    fn vm_granularity(&self) -> Option<usize> {
+        self.vm.as_ref().map(|v| v.granularity)
+    }
+
+    fn reserve(&self, size: usize) -> Result<u64, BackendError> {
+        let vm = self.vm.as_ref().ok_or_else(|| BackendError::Failed("no virtual memory management".into()))?;
+        self.bind()?;
+        let mut addr = 0;
+        // SAFETY: reserves address space only; `addr` receives its start.
+        check(unsafe { sys::cuMemAddressReserve(&mut addr, size, vm.granularity, 0, 0) })?;
+        Ok(addr)
+    }
+
+    unsafe fn unreserve(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller gives exactly a reservation of ours with nothing mapped in it.
+        check(unsafe { sys::cuMemAddressFree(addr, size) })
+    }
+
+    unsafe fn map(&self, addr: u64, size: usize) -> Result<u64, BackendError> {
+        let vm = self.vm.as_ref().ok_or_else(|| BackendError::Failed("no virtual memory management".into()))?;
+        self.bind()?;
+        let ordinal = self.ctx.ordinal();
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        let fd = vm.posix_fd.load(Ordering::Relaxed);
+        // SAFETY: `prop` describes pinned memory of this device; `h` receives the handle.
+        let mut r = unsafe { sys::cuMemCreate(&mut h, size, &alloc_prop(ordinal, fd, vm.rdma), 0) };
+        if fd && matches!(r, CUresult::CUDA_ERROR_NOT_PERMITTED | CUresult::CUDA_ERROR_NOT_SUPPORTED) {
+            // Exportable handles refused here (a container without the permission): plain
+            // allocations from now on.
+            vm.posix_fd.store(false, Ordering::Relaxed);
+            // SAFETY: as above.
+            r = unsafe { sys::cuMemCreate(&mut h, size, &alloc_prop(ordinal, false, vm.rdma), 0) };
+        }
+        check(r)?;
+        let release = |e: BackendError| {
+            // SAFETY: `h` was created above and is given back once, on this failure path.
+            let _ = unsafe { sys::cuMemRelease(h) };
+            e
+        };
+        // SAFETY: the caller promises `addr..addr + size` is an unmapped, aligned range of one of
+        // our reservations; `h` is `size` bytes.
+        check(unsafe { sys::cuMemMap(addr, size, 0, h, 0) }).map_err(release)?;
+        // SAFETY: a plain C struct of integers, all zeros valid.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = ordinal as i32;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range was just mapped; `desc` is one valid descriptor.
+        if let Err(e) = check(unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }) {
+            // SAFETY: the mapping made above, undone before its handle is released.
+            let _ = unsafe { sys::cuMemUnmap(addr, size) };
+            return Err(release(e));
+        }
+        Ok(h)
+    }
+
+    unsafe fn unmap(&self, addr: u64, size: usize, handle: u64, stream: StreamId) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller keeps `stream` alive; waiting for it ends every use of the range
+        // that work submitted before the free could still make.
+        check(unsafe { sys::cuStreamSynchronize(stream.0 as CUstream) })?;
+        // SAFETY: exactly one mapping of ours (the caller's contract), no longer used.
+        check(unsafe { sys::cuMemUnmap(addr, size) })?;
+        // SAFETY: the handle of that mapping, now unmapped, released once. Unmapped already, so
+        // a failure here is not reported as "still mapped" (the memory leaks, which is safe).
+        let _ = unsafe { sys::cuMemRelease(handle) };
+        Ok(())
     }
 }

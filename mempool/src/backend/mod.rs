@@ -65,7 +65,9 @@ impl std::error::Error for BackendError {}
 /// the same range is given to [`free_segment`](Backend::free_segment), and that [`zero`]
 /// (Backend::zero) writes only inside the range it is given. The allocator hands these bytes
 /// out to safe code (zero-filled buffers, cudarc copies), so a made-up or shared range would be
-/// undefined behaviour that the safe API could reach.
+/// undefined behaviour that the safe API could reach. The same holds for virtual memory: a
+/// successful [`map`](Backend::map) puts `size` bytes of this device's memory, used by nothing
+/// else, at exactly the range asked for, until [`unmap`](Backend::unmap) of that range.
 pub unsafe trait Backend: Send + Sync + 'static {
     /// `"cuda"`, `"host"`, `"sim"`, or a user backend's name; used in reports.
     fn kind(&self) -> &'static str;
@@ -113,6 +115,49 @@ pub unsafe trait Backend: Send + Sync + 'static {
     /// # Safety
     /// As for [`query_event`](Backend::query_event); the event is not used again.
     unsafe fn release_event(&self, event: EventId);
+
+    /// Virtual memory management, for expandable segments: the page size that
+    /// [`map`](Backend::map) works in (addresses and sizes are multiples of it), or `None` when
+    /// the device has none (the default; expandable segments are then refused at configuration).
+    fn vm_granularity(&self) -> Option<usize> {
+        None
+    }
+    /// Reserves `size` bytes of address space (a multiple of the granularity) with no memory
+    /// behind it, aligned to the granularity.
+    fn reserve(&self, size: usize) -> Result<u64, BackendError> {
+        let _ = size;
+        Err(BackendError::Failed(format!("{}: no virtual memory management", self.kind())))
+    }
+    /// Gives back a reservation.
+    ///
+    /// # Safety
+    /// `addr` and `size` are exactly those of a reservation from [`reserve`](Backend::reserve),
+    /// not given back yet, with nothing mapped in it.
+    unsafe fn unreserve(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        let _ = (addr, size);
+        Ok(())
+    }
+    /// Creates `size` bytes of memory as one physical allocation, maps it at `addr` and makes it
+    /// readable and writable by this device; returns its handle.
+    ///
+    /// # Safety
+    /// `addr..addr + size` lies inside one reservation of this backend, aligned to the
+    /// granularity, with nothing mapped there.
+    unsafe fn map(&self, addr: u64, size: usize) -> Result<u64, BackendError> {
+        let _ = (addr, size);
+        Err(BackendError::Failed(format!("{}: no virtual memory management", self.kind())))
+    }
+    /// Waits for the work submitted to `stream`, then unmaps a physical allocation and gives it
+    /// back. An `Err` means it is still mapped, untouched.
+    ///
+    /// # Safety
+    /// `addr`, `size` and `handle` are exactly those of one [`map`](Backend::map) of this
+    /// backend, not unmapped yet, that no block handed out lies in any more; `stream` is a live
+    /// stream of this device.
+    unsafe fn unmap(&self, addr: u64, size: usize, handle: u64, stream: StreamId) -> Result<(), BackendError> {
+        let _ = (addr, size, handle, stream);
+        Err(BackendError::Failed(format!("{}: no virtual memory management", self.kind())))
+    }
 }
 
 /// Where a user pool's segments come from: your own alloc/free functions (PyTorch's pluggable

@@ -60,11 +60,25 @@ struct SimState {
     streams: HashMap<StreamId, (u64, u64)>, // recorded, completed
     events: HashMap<u64, (StreamId, u64)>,
     next_event: u64,
+    /// Virtual memory: reservations (address → size), mappings (address → (size, handle)).
+    next_reserve: u64,
+    reservations: BTreeMap<u64, usize>,
+    mappings: BTreeMap<u64, (usize, u64)>,
+    next_handle: u64,
+    maps: u64,
+    unmaps: u64,
+    fail_maps: usize,
+    fail_unmaps: usize,
+    synced_streams: Vec<StreamId>,
 }
 
 impl SimDevice {
     /// The address of the first segment.
     pub const BASE: u64 = 0x1_0000_0000;
+    /// The address of the first reservation (virtual memory for expandable segments).
+    pub const VM_BASE: u64 = 0x100_0000_0000;
+    /// The page size of its virtual memory.
+    pub const PAGE: usize = 2 << 20;
 
     /// A device with `capacity` bytes, index 0.
     pub fn new(capacity: usize) -> Arc<SimDevice> {
@@ -75,7 +89,14 @@ impl SimDevice {
     pub fn with_index(device: usize, capacity: usize) -> Arc<SimDevice> {
         Arc::new(SimDevice {
             device,
-            state: Mutex::new(SimState { capacity, next_addr: Self::BASE, next_stream: 1, ..Default::default() }),
+            state: Mutex::new(SimState {
+                capacity,
+                next_addr: Self::BASE,
+                next_reserve: Self::VM_BASE,
+                next_stream: 1,
+                next_handle: 1,
+                ..Default::default()
+            }),
         })
     }
 
@@ -146,6 +167,42 @@ impl SimDevice {
         self.lock().used
     }
 
+    /// Mapped physical allocations, `(address, size)` in address order.
+    pub fn mapped(&self) -> Vec<(u64, usize)> {
+        self.lock().mappings.iter().map(|(a, (s, _))| (*a, *s)).collect()
+    }
+
+    /// Live reservations, `(address, size)` in address order.
+    pub fn reservations(&self) -> Vec<(u64, usize)> {
+        self.lock().reservations.iter().map(|(a, s)| (*a, *s)).collect()
+    }
+
+    /// Whether every byte of `addr..addr + size` is mapped (by one mapping or adjacent ones).
+    pub fn is_mapped(&self, addr: u64, size: usize) -> bool {
+        self.lock().covered(addr, size)
+    }
+
+    /// `(maps, unmaps)` so far.
+    pub fn map_counters(&self) -> (u64, u64) {
+        let s = self.lock();
+        (s.maps, s.unmaps)
+    }
+
+    /// The next `n` maps fail with out-of-memory.
+    pub fn fail_next_maps(&self, n: usize) {
+        self.lock().fail_maps = n;
+    }
+
+    /// The next `n` unmaps fail (the memory stays mapped).
+    pub fn fail_next_unmaps(&self, n: usize) {
+        self.lock().fail_unmaps = n;
+    }
+
+    /// The streams waited for before unmapping, in order.
+    pub fn unmap_syncs(&self) -> Vec<StreamId> {
+        self.lock().synced_streams.clone()
+    }
+
     /// `(segment allocations, segment frees, event synchronizations)` so far.
     pub fn counters(&self) -> (u64, u64, u64) {
         let s = self.lock();
@@ -153,9 +210,25 @@ impl SimDevice {
     }
 }
 
+impl SimState {
+    /// Whether `addr..addr + size` is covered by adjacent mappings.
+    fn covered(&self, addr: u64, size: usize) -> bool {
+        let Some(end) = addr.checked_add(size as u64) else { return false };
+        let mut at = addr;
+        while at < end {
+            match self.mappings.range(..=at).next_back() {
+                Some((a, (sz, _))) if a + *sz as u64 > at => at = a + *sz as u64,
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
 // SAFETY: the simulated device has no memory at all: nothing is ever written through its
 // addresses (`zero` only checks the range), and its segments never overlap (laid out one after
-// another, each start 2 MiB aligned).
+// another, each start 2 MiB aligned); mappings lie inside reservations, above every segment,
+// and `map` refuses a range that overlaps one already mapped.
 unsafe impl Backend for SimDevice {
     fn kind(&self) -> &'static str {
         "sim"
@@ -208,6 +281,13 @@ unsafe impl Backend for SimDevice {
     unsafe fn zero(&self, addr: u64, size: usize, _stream: StreamId) -> Result<(), BackendError> {
         let s = self.lock();
         let end = addr.checked_add(size as u64);
+        if (Self::VM_BASE..s.next_reserve).contains(&addr) {
+            return if s.covered(addr, size) {
+                Ok(())
+            } else {
+                Err(BackendError::Failed(format!("sim: zero of {size} bytes at {addr:#x} outside the mapped memory")))
+            };
+        }
         if addr >= s.next_addr || end.is_none() {
             // Not an address this device handed out (a user pool's made-up segment): there is no
             // memory to fill and nothing to check.
@@ -251,5 +331,77 @@ unsafe impl Backend for SimDevice {
 
     unsafe fn release_event(&self, event: EventId) {
         self.lock().events.remove(&event.0);
+    }
+
+    fn vm_granularity(&self) -> Option<usize> {
+        Some(Self::PAGE)
+    }
+
+    fn reserve(&self, size: usize) -> Result<u64, BackendError> {
+        let mut s = self.lock();
+        if size == 0 || size % Self::PAGE != 0 {
+            return Err(BackendError::Failed(format!("sim: reserve of {size} bytes, not a multiple of the page")));
+        }
+        let addr = s.next_reserve;
+        // A page of address space left between reservations, so that a range running past its
+        // reservation is caught.
+        s.next_reserve += size as u64 + Self::PAGE as u64;
+        s.reservations.insert(addr, size);
+        Ok(addr)
+    }
+
+    unsafe fn unreserve(&self, addr: u64, size: usize) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        if s.reservations.get(&addr) != Some(&size) {
+            return Err(BackendError::Failed(format!("sim: {addr:#x} ({size} bytes) is not a reservation")));
+        }
+        if s.mappings.range(addr..addr + size as u64).next().is_some() {
+            return Err(BackendError::Failed(format!("sim: reservation {addr:#x} still has memory mapped")));
+        }
+        s.reservations.remove(&addr);
+        Ok(())
+    }
+
+    unsafe fn map(&self, addr: u64, size: usize) -> Result<u64, BackendError> {
+        let mut s = self.lock();
+        if s.fail_maps > 0 {
+            s.fail_maps -= 1;
+            return Err(BackendError::OutOfMemory);
+        }
+        let end = addr + size as u64;
+        let inside = s.reservations.range(..=addr).next_back().is_some_and(|(a, sz)| end <= a + *sz as u64);
+        let overlaps = s.mappings.range(..end).next_back().is_some_and(|(a, (sz, _))| a + *sz as u64 > addr);
+        if size == 0 || addr % Self::PAGE as u64 != 0 || size % Self::PAGE != 0 || !inside || overlaps {
+            return Err(BackendError::Failed(format!(
+                "sim: map of {size} bytes at {addr:#x}: outside a reservation, misaligned or already mapped"
+            )));
+        }
+        if s.used.checked_add(size).is_none_or(|u| u > s.capacity) {
+            return Err(BackendError::OutOfMemory);
+        }
+        s.used += size;
+        s.maps += 1;
+        let h = s.next_handle;
+        s.next_handle += 1;
+        s.mappings.insert(addr, (size, h));
+        Ok(h)
+    }
+
+    unsafe fn unmap(&self, addr: u64, size: usize, handle: u64, stream: StreamId) -> Result<(), BackendError> {
+        let mut s = self.lock();
+        if s.fail_unmaps > 0 {
+            s.fail_unmaps -= 1;
+            return Err(BackendError::Failed("sim: injected unmap failure".into()));
+        }
+        if s.mappings.get(&addr) != Some(&(size, handle)) {
+            return Err(BackendError::Failed(format!(
+                "sim: {addr:#x} ({size} bytes, handle {handle}) is not a mapping"
+            )));
+        }
+        s.synced_streams.push(stream);
+        s.mappings.remove(&addr);
+        s.used -= size;
+        s.unmaps += 1;
+        Ok(())
     }
 }

@@ -21,6 +21,7 @@
 //! (unless another thread was delivering at that moment; it then delivers it).
 
 mod events;
+mod expand;
 mod freeset;
 mod segments;
 mod state;
@@ -100,6 +101,15 @@ pub(crate) struct Allocation {
     pub(crate) cacheable: bool,
 }
 
+/// What mapping more memory for a request came to.
+enum Grown<'a> {
+    /// Memory was mapped or a reservation made: look for a block again.
+    Retry,
+    Failed(Error),
+    /// No memory (the device's, or under the limit): the lock is held for the ladder.
+    OutOfMemory(Locked<'a>),
+}
+
 /// The caching allocator of one device, over any [`Backend`].
 pub(crate) struct DeviceAllocator {
     backend: Arc<dyn Backend>,
@@ -170,12 +180,25 @@ impl DeviceAllocator {
             granularity: 512,
             align: 512,
             name: backend.kind().to_string(),
+            // Without virtual memory (host memory) the setting has nothing to act on; CUDA
+            // devices without it are refused when their allocator is made.
+            expandable: config.expandable_segments && backend.vm_granularity().is_some(),
+            merge_runs: true,
         };
         let device = backend.device();
         let caches = tcache::Registry::default();
+        let mut state = State::new(config.clone(), limit, default_pool, id, device, caches.board.clone());
+        state.vm_page = backend.vm_granularity().filter(|p| p.is_power_of_two());
+        if let Some(page) = state.vm_page {
+            // One reservation per (pool, stream, kind) covers the whole device, as PyTorch's.
+            // At most the largest block the free sets hold (a segment lies in one reservation).
+            let most = crate::rules::MAX_BLOCK / page * page;
+            let total = backend.memory_info().map_or(64 << 30, |(_, t)| t);
+            state.reserve_size = total.max(page).checked_next_multiple_of(page).map_or(most, |t| t.min(most));
+        }
         DeviceAllocator {
-            rounding: config.clone(),
-            state: Mutex::new(State::new(config, limit, default_pool, id, device, caches.board.clone())),
+            rounding: config,
+            state: Mutex::new(state),
             backend,
             id,
             outbox: Mutex::new(()),
@@ -238,14 +261,14 @@ impl DeviceAllocator {
     }
 
     /// Files blocks taken out of a thread cache, under one lock.
-    fn free_cached(&self, blocks: impl IntoIterator<Item = BlockIdx>) {
+    fn free_cached(&self, blocks: impl IntoIterator<Item = tcache::Cached>) {
         let mut blocks = blocks.into_iter().peekable();
         if blocks.peek().is_none() {
             return;
         }
         let mut st = self.lock();
-        for b in blocks {
-            st.free_cached(b);
+        for (b, split) in blocks {
+            st.free_cached(b, split);
         }
         self.unlock(st, false);
     }
@@ -357,6 +380,30 @@ impl DeviceAllocator {
                 drop(leftover);
             }
             Work::Drop(x) => drop(x),
+            Work::Unmap(u) => {
+                let be = &*self.backend;
+                let res = contain("the unmap", || {
+                    // SAFETY: `u` was taken out of its segment by `unmap_free_runs`: exactly one
+                    // `map` of this backend (address, size, handle), lying wholly in one free
+                    // block (no block handed out, every cross-stream event completed), unmapped
+                    // once (an `Unmapping` is moved); `u._keep` keeps its stream alive, and the
+                    // backend waits for that stream's work before unmapping.
+                    unsafe { be.unmap(u.addr, u.size, u.handle, u.stream.raw) }
+                });
+                let mut st = self.lock();
+                st.unmapped(u, res.map_err(|e| e.to_string()));
+            }
+            Work::Unreserve(u) => {
+                let be = &*self.backend;
+                // SAFETY: a reservation of this backend with nothing mapped in it and nothing
+                // under way (`maybe_unreserve` checked under the lock, and took it out of the
+                // table, so no map can be planned in it), given back once.
+                let res = contain("the reservation free", || unsafe { be.unreserve(u.addr, u.size) });
+                let mut st = self.lock();
+                st.unreserved(&u, res.map_err(|e| e.to_string()));
+                drop(st);
+                drop(u);
+            }
         }
     }
 
@@ -470,6 +517,30 @@ impl DeviceAllocator {
             if st.config.garbage_collection_threshold > 0.0 {
                 st.garbage_collect();
             }
+            if st.pools[slot.get()].spec.expandable {
+                match self.map_more(st, req, rounded, key, slot, &keep) {
+                    Grown::Retry => continue,
+                    Grown::Failed(e) => return Err(e),
+                    Grown::OutOfMemory(locked) => st = locked,
+                }
+                if !retried {
+                    retried = true;
+                    drop(st);
+                    self.out_of_memory_retry(slot);
+                    continue;
+                }
+                if slot == Slot::DEFAULT {
+                    if let Some(b) = st.borrow_from_pools(req.stream.key, small, rounded) {
+                        let (block, _) = st.take_block(b, rounded, req.size);
+                        let a = st.allocation(block);
+                        self.unlock(st, true);
+                        return Ok(a);
+                    }
+                }
+                let e = st.oom(be, req.size, slot);
+                self.unlock(st, true);
+                return Err(e);
+            }
             let id = st.pools[slot.get()].spec.id;
             let align = st.pools[slot.get()].spec.align;
             let source = match &st.pools[slot.get()].spec.raw {
@@ -543,17 +614,8 @@ impl DeviceAllocator {
             }
             if !retried {
                 retried = true;
-                // Every thread's cached blocks back in the free sets first, so that the segments
-                // they kept are wholly free when the caches are given back.
                 drop(st);
-                self.drain_caches();
-                let mut st = self.lock();
-                st.synchronize_events(be);
-                st.stats.num_alloc_retries += 1;
-                // The default pools, released pools and this pool; live user pools keep theirs
-                // (they may be registered, and `use_on_oom` lenders are tried below).
-                st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released || p.spec.id == id);
-                self.unlock(st, true);
+                self.out_of_memory_retry(slot);
                 continue;
             }
             if slot == Slot::DEFAULT {
@@ -572,6 +634,113 @@ impl DeviceAllocator {
             }
             self.unlock(st, true);
             return Err(e);
+        }
+    }
+
+    /// The out-of-memory ladder's first rung: every thread's cached blocks back in the free
+    /// sets (so that the segments they kept are wholly free), pending cross-stream frees waited
+    /// for, then the caches of the default pools, of released pools and of the requesting pool
+    /// given back; live user pools keep theirs (they may be registered, and `use_on_oom`
+    /// lenders are tried after).
+    #[cold]
+    fn out_of_memory_retry(&self, slot: Slot) {
+        self.drain_caches();
+        let mut st = self.lock();
+        st.synchronize_events(&*self.backend);
+        st.stats.num_alloc_retries += 1;
+        let id = st.pools[slot.get()].spec.id;
+        st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released || p.spec.id == id);
+        self.unlock(st, true);
+    }
+
+    /// Maps memory into an expandable segment of the request's (pool, stream, kind), making a
+    /// reservation first if none has room.
+    #[cold]
+    fn map_more<'a>(
+        &'a self,
+        mut st: Locked<'a>,
+        req: &Request<'_>,
+        rounded: usize,
+        key: state::SetKey,
+        slot: Slot,
+        keep: &Option<Option<Keep>>,
+    ) -> Grown<'a> {
+        let be = &*self.backend;
+        let Some(page) = st.vm_page else {
+            let e = Error::Config("expandable segments on a backend without virtual memory management".into());
+            return Grown::Failed(e);
+        };
+        match st.plan_map(key, rounded) {
+            Some(plan) if st.within_limit(plan.size) => {
+                st.growing += plan.size;
+                self.unlock(st, true);
+                let mut mapped = Vec::new();
+                let mut failed = None;
+                for (addr, size) in plan.chunks() {
+                    // SAFETY: the plan's range lies inside a reservation of this backend, at a
+                    // page-aligned address with page-multiple chunks, and was taken out of the
+                    // reservation's free ranges under the lock: nothing is mapped there, and no
+                    // other thread maps or unmaps there until `finish_map`.
+                    match contain("the map", || unsafe { be.map(addr, size) }) {
+                        Ok(h) => mapped.push((addr, size, h)),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                }
+                let mut st = self.lock();
+                st.growing -= plan.size;
+                st.finish_map(&plan, &mapped);
+                match failed {
+                    Some(BackendError::Failed(m)) => {
+                        let e = Error::Backend { op: "map", message: m };
+                        self.unlock(st, true);
+                        Grown::Failed(e)
+                    }
+                    Some(BackendError::OutOfMemory) if mapped.is_empty() => Grown::OutOfMemory(st),
+                    _ => {
+                        self.unlock(st, true);
+                        Grown::Retry
+                    }
+                }
+            }
+            Some(plan) => {
+                st.cancel_map(&plan);
+                Grown::OutOfMemory(st)
+            }
+            None => {
+                let size = rounded.checked_next_multiple_of(page).map(|r| r.max(st.reserve_size));
+                let Some(size) = size.filter(|&s| s <= crate::rules::MAX_BLOCK) else {
+                    return Grown::OutOfMemory(st);
+                };
+                let merge = st.pools[slot.get()].spec.merge_runs;
+                let id = st.pools[slot.get()].spec.id;
+                self.unlock(st, true);
+                let r = contain("the address reservation", || be.reserve(size));
+                let mut st = self.lock();
+                // The pool may have been released, and its slot taken, meanwhile.
+                let gone = st.resolve(req.pool).unwrap_or(Slot::DEFAULT) != slot || st.pools[slot.get()].spec.id != id;
+                match r {
+                    Ok(addr) if gone => {
+                        drop(st);
+                        // SAFETY: the reservation `reserve` just made, with nothing mapped.
+                        let _ = contain("the reservation free", || unsafe { be.unreserve(addr, size) });
+                        Grown::Retry
+                    }
+                    Ok(addr) => {
+                        let k = keep.clone().unwrap_or_else(|| (req.keep)());
+                        st.add_reservation(addr, size, key, req.stream, k, merge);
+                        drop(st);
+                        Grown::Retry
+                    }
+                    Err(BackendError::OutOfMemory) => Grown::OutOfMemory(st),
+                    Err(BackendError::Failed(m)) => {
+                        drop(st);
+                        Grown::Failed(Error::Backend { op: "address reservation", message: m })
+                    }
+                }
+            }
         }
     }
 
@@ -826,8 +995,8 @@ impl Drop for DeviceAllocator {
         self.caches.close(&mut cached);
         self.closing.store(true, Ordering::Relaxed);
         let mut st = self.lock();
-        for b in cached {
-            st.free_cached(b);
+        for (b, split) in cached {
+            st.free_cached(b, split);
         }
         let raw: Vec<BlockIdx> = st.raw.drain().map(|(_, b)| b).collect();
         for b in raw {

@@ -37,8 +37,29 @@ impl State {
         keep: Option<Keep>,
         fresh: bool,
     ) -> super::state::BlockIdx {
+        let block = self.link_segment(addr, size, (pool, stream.key, small), stream, keep, None);
+        self.count_segment(pool, small, size, true, fresh);
+        if fresh {
+            self.pools[pool.get()].segments += 1;
+        }
+        if crate::trace::enabled() {
+            self.emit(Action::SegmentAlloc, block);
+        }
+        block
+    }
+
+    /// Adds a segment to the table as one free block (not yet in its free set), uncounted.
+    pub(super) fn link_segment(
+        &mut self,
+        addr: u64,
+        size: usize,
+        (pool, _, small): SetKey,
+        stream: StreamRef,
+        keep: Option<Keep>,
+        res: Option<u32>,
+    ) -> super::state::BlockIdx {
         let set = self.set_for(pool, stream.key, small);
-        let seg = Segment { addr, size, stream, keep, pool, small, head: None, freed_at: 0, live: true };
+        let seg = Segment { addr, size, stream, keep, pool, small, head: None, freed_at: 0, live: true, res };
         let seg_idx = match self.free_segments.pop() {
             Some(i) => {
                 self.segments[i.0 as usize] = seg;
@@ -65,14 +86,17 @@ impl State {
         });
         self.segments[seg_idx.0 as usize].head = Some(block);
         self.set_segments[set.0 as usize] += 1;
-        self.count_segment(pool, small, size, true, fresh);
-        if fresh {
-            self.pools[pool.get()].segments += 1;
-        }
-        if crate::trace::enabled() {
-            self.emit(Action::SegmentAlloc, block);
-        }
         block
+    }
+
+    /// Gives back a wholly free segment: an ordinary one to its source, the mapped range of an
+    /// expandable one unmapped.
+    pub(super) fn release_whole(&mut self, seg: SegIdx) {
+        if self.segments[seg.0 as usize].res.is_some() {
+            self.unmap_free_runs(seg);
+        } else {
+            self.release_segment(seg);
+        }
     }
 
     /// Takes a wholly free segment out of the cache and queues it to be given back through its
@@ -141,7 +165,7 @@ impl State {
 
     /// Counts a segment obtained (`added`) or given back, for the device and its pool; a segment
     /// back after a refused free (`added`, not `device_call`) only undoes its earlier release.
-    fn count_segment(&mut self, pool: Slot, small: bool, size: usize, added: bool, device_call: bool) {
+    pub(super) fn count_segment(&mut self, pool: Slot, small: bool, size: usize, added: bool, device_call: bool) {
         let oversize = size >= self.config.max_split_size;
         if added && !device_call {
             self.stats.on_segment_restored(small, size, oversize);
@@ -155,7 +179,15 @@ impl State {
     /// Gives back every wholly free segment of the pools `which` selects.
     pub(super) fn release_cached(&mut self, which: impl Fn(&super::state::PoolState) -> bool) {
         for seg in 0..self.segments.len() {
-            if self.wholly_free(seg) && which(&self.pools[self.segments[seg].pool.get()]) {
+            let s = &self.segments[seg];
+            if !s.live || !which(&self.pools[s.pool.get()]) {
+                continue;
+            }
+            if s.res.is_some() {
+                // Every physical allocation of it that lies in free blocks (cutting the
+                // segment; the pieces left are handled as they come: new ones go at the end).
+                self.unmap_free_runs(SegIdx(seg as u32));
+            } else if self.wholly_free(seg) {
                 self.release_segment(SegIdx(seg as u32));
             }
         }
@@ -297,7 +329,7 @@ impl State {
                 break;
             }
             if self.tick - t >= avg_age {
-                self.release_segment(SegIdx(seg));
+                self.release_whole(SegIdx(seg));
             }
         }
     }

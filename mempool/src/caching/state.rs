@@ -102,6 +102,11 @@ pub(crate) struct PoolSpec {
     /// `granularity`, 512 for the backend), not what the options ask of sizes.
     pub(crate) align: usize,
     pub(crate) name: String,
+    /// Memory is mapped on demand into reserved address ranges (`expand.rs`).
+    pub(crate) expandable: bool,
+    /// With `expandable`: whether a block may span two physical allocations (not when NCCL
+    /// older than 2.29.2 registers the pool: it registers one physical allocation per buffer).
+    pub(crate) merge_runs: bool,
 }
 
 impl std::fmt::Debug for PoolSpec {
@@ -161,6 +166,9 @@ pub(super) struct Segment {
     /// The allocation tick at which the segment last became wholly free (for garbage collection).
     pub(super) freed_at: u64,
     pub(super) live: bool,
+    /// The reservation it lies in, for a contiguous mapped range of an expandable segment
+    /// (`expand.rs`): it grows when memory is mapped after it and is cut when memory is unmapped.
+    pub(super) res: Option<u32>,
 }
 
 /// Another stream that used a block, kept alive until its event is recorded.
@@ -195,6 +203,8 @@ impl std::fmt::Debug for Work {
             Work::Event(e) => write!(f, "Event({e})"),
             Work::Free(r) => write!(f, "Free({:#x}, {})", r.addr, r.size),
             Work::Drop(_) => f.write_str("Drop"),
+            Work::Unmap(u) => write!(f, "Unmap({:#x}, {})", u.addr, u.size),
+            Work::Unreserve(u) => write!(f, "Unreserve({:#x}, {})", u.addr, u.size),
         }
     }
 }
@@ -218,6 +228,11 @@ pub(super) struct Released {
 
 /// Work for outside the lock, in the order the state produced it.
 pub(super) enum Work {
+    /// Unmap a physical allocation of an expandable segment (after the hooks saw its
+    /// `SegmentUnmap`).
+    Unmap(super::expand::Unmapping),
+    /// Give back a reservation with nothing mapped in it.
+    Unreserve(super::expand::Unreserving),
     /// Deliver an event to the history and the hooks.
     Event(TraceEntry),
     /// Give a segment back.
@@ -267,6 +282,11 @@ pub(super) struct State {
     /// The allocator's id, for trace entries.
     pub(super) allocator: crate::id::AllocatorId,
     pub(super) device: usize,
+    /// Expandable segments: their reservations (a slot is `None` once given back), the page
+    /// size of the backend (`None`: it has no virtual memory) and the size of a reservation.
+    pub(super) reservations: Vec<Option<super::expand::Reservation>>,
+    pub(super) vm_page: Option<usize>,
+    pub(super) reserve_size: usize,
 }
 
 impl State {
@@ -310,6 +330,9 @@ impl State {
             releasing: 0,
             allocator,
             device,
+            reservations: Vec::new(),
+            vm_page: None,
+            reserve_size: 0,
         }
     }
 
@@ -435,7 +458,7 @@ impl State {
 
     /// Counts (`add`) or uncounts a free block in the inactive-split stats.
     #[inline(always)]
-    fn count_inactive(&mut self, b: BlockIdx, add: bool) {
+    pub(super) fn count_inactive(&mut self, b: BlockIdx, add: bool) {
         let blk = self.block(b);
         if blk.state == BlockState::Free && blk.is_split() {
             let (small, size) = (blk.small, blk.size);
@@ -553,9 +576,9 @@ impl State {
     }
 
     /// A block a thread cache held goes back to its free set: its owner's free and its
-    /// completion were counted when it was cached (as inactive-split if its segment is split),
-    /// so only the filing is left.
-    pub(super) fn free_cached(&mut self, block: BlockIdx) {
+    /// completion were counted when it was cached (as inactive-split if `split`, its segment's
+    /// state then), so only the filing is left.
+    pub(super) fn free_cached(&mut self, block: BlockIdx, split: bool) {
         let b = self.block(block);
         if b.state != BlockState::Allocated {
             debug_assert!(false, "a cached block that is not allocated: {block:?}");
@@ -566,18 +589,13 @@ impl State {
             self.emit(Action::FreeCompleted, block);
         }
         // It is filed below as any freed block, which counts the merged block as inactive-split
-        // afresh; its own count from the cache goes first.
-        self.count_inactive_as_free(block, false);
-        self.file_free(block);
-    }
-
-    /// Counts or uncounts `b` as an inactive-split block as if it were free.
-    fn count_inactive_as_free(&mut self, b: BlockIdx, add: bool) {
-        let blk = self.block(b);
-        if blk.is_split() {
-            let (small, size) = (blk.small, blk.size);
-            self.sink.on_inactive_split(small, size, add);
+        // afresh; its own count from the cache goes first (as it was counted then: an
+        // expandable segment may have grown or been cut around it since).
+        if split {
+            let (small, size) = (self.block(block).small, self.block(block).size);
+            self.sink.on_inactive_split(small, size, false);
         }
+        self.file_free(block);
     }
 
     /// Marks a block free, merges it with free neighbours and files it in its set.
@@ -611,7 +629,7 @@ impl State {
             let seg = b.seg;
             self.segments[seg.0 as usize].freed_at = self.tick;
             if pool != Slot::DEFAULT && self.pools[pool.get()].released {
-                self.release_segment(seg);
+                self.release_whole(seg);
                 self.retire_pool_if_empty(pool);
             }
         }

@@ -55,7 +55,11 @@ fn pack(block: BlockIdx, split: bool) -> u64 {
     (u64::from(block.to_key()) << 1) | u64::from(split)
 }
 
-fn unpack(v: u64) -> (BlockIdx, bool) {
+/// A block taken out of a cache, with the split flag its statistics were counted with when it
+/// was cached (its segment may have been split or cut since: expandable segments).
+pub(super) type Cached = (BlockIdx, bool);
+
+fn unpack(v: u64) -> Cached {
     (BlockIdx::from_key((v >> 1) as u32), v & 1 == 1)
 }
 
@@ -90,7 +94,7 @@ impl Shared {
     }
 
     /// Takes every cached block out (their statistics stay as they are: free).
-    pub(super) fn drain(&self, into: &mut Vec<BlockIdx>) {
+    pub(super) fn drain(&self, into: &mut Vec<Cached>) {
         if !self.filled.swap(false, Ordering::AcqRel) {
             return;
         }
@@ -98,7 +102,7 @@ impl Shared {
             for s in bin {
                 let v = s.swap(0, Ordering::AcqRel);
                 if v != 0 {
-                    into.push(unpack(v).0);
+                    into.push(unpack(v));
                 }
             }
         }
@@ -175,7 +179,7 @@ pub(super) enum Put {
     Cached,
     /// Cached, in place of these blocks (another (stream, size, bytes asked for) held the bin); they go back to
     /// the allocator.
-    Evicted([Option<BlockIdx>; PER_BIN]),
+    Evicted([Option<Cached>; PER_BIN]),
     /// Not cached (the bin or the cache is full): the caller frees it as usual.
     Refused,
 }
@@ -297,7 +301,7 @@ impl Owner {
             for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
-                    *o = Some(unpack(v).0);
+                    *o = Some(unpack(v));
                 }
             }
             self.bytes -= m.size * m.n;
@@ -331,12 +335,12 @@ impl Owner {
     }
 
     /// Gives back everything this thread's cache holds (before this thread makes a segment).
-    pub(super) fn drain_own(&mut self, into: &mut Vec<BlockIdx>) {
+    pub(super) fn drain_own(&mut self, into: &mut Vec<Cached>) {
         for (i, m) in self.meta.iter_mut().enumerate() {
             for s in &self.shared.slots[i][..m.n] {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
-                    into.push(unpack(v).0);
+                    into.push(unpack(v));
                 }
             }
             m.n = 0;
@@ -515,7 +519,7 @@ impl Registry {
 
     /// Takes every cached block out of every thread cache; forgets the caches of exited threads
     /// (their statistics go to `retired`).
-    pub(super) fn drain_all(&self, into: &mut Vec<BlockIdx>) {
+    pub(super) fn drain_all(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
         list.retain(|c| {
             // Whether its thread had exited, read before the drain: a thread that exits during
@@ -528,7 +532,7 @@ impl Registry {
     }
 
     /// Takes the blocks of exited threads' caches and forgets those caches.
-    pub(super) fn drain_orphans(&self, into: &mut Vec<BlockIdx>) {
+    pub(super) fn drain_orphans(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
         list.retain(|c| {
             if !c.orphan.load(Ordering::Acquire) {
@@ -565,7 +569,7 @@ impl Registry {
 
     /// The allocator is going: every cache is drained and let go (threads drop their entries
     /// for it when they next make one).
-    pub(super) fn close(&self, into: &mut Vec<BlockIdx>) {
+    pub(super) fn close(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
         for c in list.drain(..) {
             c.filled.store(true, Ordering::Relaxed);
@@ -618,7 +622,8 @@ mod loom_tests {
             let mut left = Vec::new();
             reg.close(&mut left);
             let why = format!("reused {mine:?}, drained {drained:?}, left {left:?}");
-            let mut all: Vec<BlockIdx> = mine.into_iter().chain(drained.drain(..)).chain(left).collect();
+            let mut all: Vec<BlockIdx> =
+                mine.into_iter().chain(drained.drain(..).map(|c| c.0)).chain(left.into_iter().map(|c| c.0)).collect();
             all.sort_by_key(|x| x.to_key());
             assert_eq!(all, vec![b(0), b(1), b(2)], "every block with exactly one party: {why}");
         });

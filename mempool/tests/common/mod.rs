@@ -38,9 +38,25 @@ pub(crate) fn check_invariants<K: Kind>(alloc: &Allocator<K>, sim: Option<&SimDe
     if let Some(sim) = sim {
         // Segments of pools with their own allocator live elsewhere (the tests' user allocators
         // hand out addresses from 0x7000_0000_0000, far above anything the sim reaches).
-        let segs: Vec<(u64, usize)> =
-            snap.segments.iter().filter(|s| s.address < 1 << 46).map(|s| (s.address, s.total_size)).collect();
+        let segs: Vec<(u64, usize)> = snap
+            .segments
+            .iter()
+            .filter(|s| s.address < SimDevice::VM_BASE)
+            .map(|s| (s.address, s.total_size))
+            .collect();
         assert_eq!(segs, sim.live_segments(), "allocator segments differ from the device's");
+        // Expandable segments: every segment mapped, and the mapped bytes exactly theirs.
+        let vm: Vec<(u64, usize)> = snap
+            .segments
+            .iter()
+            .filter(|s| (SimDevice::VM_BASE..1 << 46).contains(&s.address))
+            .map(|s| (s.address, s.total_size))
+            .collect();
+        for &(a, n) in &vm {
+            assert!(sim.is_mapped(a, n), "segment {a:#x} ({n} bytes) is not all mapped");
+        }
+        let mapped: usize = sim.mapped().iter().map(|m| m.1).sum();
+        assert_eq!(vm.iter().map(|s| s.1).sum::<usize>(), mapped, "memory mapped outside every segment");
     }
     check_stats(&snap, &stats);
 }
