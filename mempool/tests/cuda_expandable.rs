@@ -6,6 +6,13 @@ use mempool::{Allocator, MemPool, PoolOptions};
 
 const MIB: usize = 1 << 20;
 
+/// The tests measure the device's free memory: one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn gpu() -> Allocator {
     Allocator::cuda(0).expect("CUDA device 0")
 }
@@ -21,6 +28,7 @@ fn device_free() -> usize {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn buffers_in_mapped_memory_hold_their_data_and_go_back_to_the_device() {
+    let _one = serial();
     let a = gpu();
     let stream = a.current_stream();
     for no_span in [false, true] {
@@ -49,7 +57,10 @@ fn buffers_in_mapped_memory_hold_their_data_and_go_back_to_the_device() {
         let st = pool.memory_stats();
         let reserved = st.reserved_bytes.current as usize;
         let asked: usize = sizes.iter().sum::<usize>() + 3 * MIB;
-        println!("no_span {no_span}: asked {asked} bytes, reserved {reserved} (x{:.3})", reserved as f64 / asked as f64);
+        println!(
+            "no_span {no_span}: asked {asked} bytes, reserved {reserved} (x{:.3})",
+            reserved as f64 / asked as f64
+        );
         assert!(reserved < asked + 12 * MIB, "expandable memory reserves close to what is used");
         drop(bufs);
         drop(zeros);
@@ -72,6 +83,7 @@ fn buffers_in_mapped_memory_hold_their_data_and_go_back_to_the_device() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn many_growths_and_cuts_keep_data_intact() {
+    let _one = serial();
     let a = gpu();
     let stream = a.current_stream();
     let pool = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();

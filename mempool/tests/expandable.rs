@@ -293,3 +293,17 @@ fn random_campaign_never_hands_out_unmapped_memory() {
         assert!(sim.reservations().is_empty(), "seed {seed}: reservations left");
     }
 }
+
+#[test]
+fn large_blocks_in_expandable_memory_split_off_any_rest() {
+    let (sim, a) = expandable(1 << 30);
+    // 4 MiB − 512 B in two mapped pages: the 512 B rest is split off (PyTorch's rule for
+    // expandable memory; ordinary large blocks keep a rest of 1 MiB or less).
+    let x = a.alloc::<u8>(4 * MIB - 512).unwrap();
+    let snap = a.snapshot();
+    let sizes: Vec<usize> = snap.segments[0].blocks.iter().map(|b| b.size).collect();
+    assert_eq!(sizes, vec![4 * MIB - 512, 512]);
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, (4 * MIB - 512) as i64);
+    check_invariants(&a, Some(&sim));
+    drop(x);
+}

@@ -187,6 +187,9 @@ impl DeviceAllocator {
         };
         let device = backend.device();
         let caches = tcache::Registry::default();
+        // What is in effect: `config()` reports it.
+        let mut config = config;
+        config.expandable_segments = default_pool.expandable;
         let mut state = State::new(config.clone(), limit, default_pool, id, device, caches.board.clone());
         state.vm_page = backend.vm_granularity().filter(|p| p.is_power_of_two());
         if let Some(page) = state.vm_page {
