@@ -71,7 +71,8 @@ pub struct Segment {
 pub struct Event {
     /// Device index.
     pub device: u64,
-    /// `alloc`, `free_requested`, `free_completed`, `segment_alloc`, `segment_free`, `oom`.
+    /// `alloc`, `free_requested`, `free_completed`, `segment_alloc`, `segment_free`, `oom`,
+    /// `segment_map`, `segment_unmap`.
     pub action: String,
     /// Bytes.
     pub size: u64,
@@ -319,8 +320,9 @@ fn change(e: &Event) -> Option<Change> {
     match e.action.as_str() {
         "alloc" => Some(Change::Allocated(n)),
         "free_completed" => Some(Change::Allocated(-n)),
-        "segment_alloc" => Some(Change::Reserved(n)),
-        "segment_free" => Some(Change::Reserved(-n)),
+        // Expandable segments map and unmap memory (PyTorch's names too).
+        "segment_alloc" | "segment_map" => Some(Change::Reserved(n)),
+        "segment_free" | "segment_unmap" => Some(Change::Reserved(-n)),
         _ => None,
     }
 }

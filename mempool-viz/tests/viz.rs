@@ -73,3 +73,30 @@ sys.stdout.buffer.write(pickle.dumps(d))
     assert_eq!(tl.points.last().unwrap().2, 2097152);
     assert!(SnapshotView::from_pickle(b"not a pickle").is_err());
 }
+
+/// Expandable memory: the pickle carries `segment_map` / `segment_unmap`, the timeline's
+/// reserved line follows them, and segments are the mapped ranges.
+#[test]
+fn expandable_memory_maps_and_unmaps_on_the_timeline() {
+    mempool::record_history(10_000);
+    let sim = SimDevice::new(1 << 30);
+    let cfg = mempool::Config::builder().expandable_segments(true).build().unwrap();
+    let a = Allocator::sim_with(sim, cfg);
+    let x = a.alloc::<u8>(5 << 19).unwrap(); // 2.5 MiB: two pages mapped
+    let y = a.alloc::<u8>(5 << 20).unwrap(); // grows the free rest by two more pages
+    drop(x);
+    let pickle = a.snapshot().to_pickle();
+    let text = String::from_utf8_lossy(&pickle);
+    assert!(text.contains("segment_map"), "the trace names the maps");
+    let view = SnapshotView::from_pickle(&pickle).unwrap();
+    let s = view.summary();
+    assert_eq!((s[0].segments, s[0].reserved), (1, 8 << 20), "one contiguous mapped range");
+    let tl = view.timeline();
+    assert_eq!(tl.points.iter().map(|p| p.2).max(), Some(8 << 20));
+    drop(y);
+    a.empty_cache().unwrap();
+    let view = SnapshotView::from_pickle(&a.snapshot().to_pickle()).unwrap();
+    let tl = view.timeline();
+    assert!(String::from_utf8_lossy(&a.snapshot().to_pickle()).contains("segment_unmap"));
+    assert_eq!(tl.points.last().unwrap().2, 0, "unmapped: nothing reserved");
+}
