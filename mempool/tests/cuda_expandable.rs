@@ -2,6 +2,10 @@
 //! allocations, grown into the pages after a free block), filled and read back by the device;
 //! memory unmapped by `empty_cache` goes back to the device.
 
+mod common;
+
+use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
 use mempool::{Allocator, MemPool, PoolOptions};
 
 const MIB: usize = 1 << 20;
@@ -117,4 +121,39 @@ fn many_growths_and_cuts_keep_data_intact() {
     drop(live);
     pool.empty_cache().unwrap();
     assert_eq!(pool.memory_stats().reserved_bytes.current, 0);
+}
+
+/// A kernel on the second GPU writes a buffer of the first GPU's expandable memory directly (the
+/// mapping gives every peer that can reach the device read and write access).
+#[test]
+#[ignore = "needs two CUDA GPUs with peer access (skips with one)"]
+fn a_peer_gpu_writes_expandable_memory() {
+    let _one = serial();
+    if mempool::device_count().unwrap_or(0) < 2 {
+        eprintln!("one GPU: skipped");
+        return;
+    }
+    let a = gpu();
+    let stream = a.current_stream();
+    let pool = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
+    // 3 MiB of floats: two physical allocations' worth after a first small growth.
+    let _first = pool.alloc::<f32>(300_000).unwrap();
+    let n = (3 * MIB / 4) as u32;
+    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut x = pool.alloc::<f32>(n as usize).unwrap();
+    stream.memcpy_htod(&host, &mut x).unwrap();
+    stream.synchronize().unwrap();
+    let ctx1 = CudaContext::new(1).unwrap();
+    let module = ctx1.load_module(Ptx::from_src(common::ptx::KERNELS)).unwrap();
+    let add_one = module.load_function("add_one").unwrap();
+    let s1 = ctx1.default_stream();
+    let ptr = x.device_ptr_raw();
+    let mut launch = s1.launch_builder(&add_one);
+    launch.arg(&ptr).arg(&n);
+    // SAFETY: add_one takes (float*, u32); `ptr` holds n floats of GPU 0's memory, mapped with
+    // read/write access for GPU 1, and nothing else uses `x` until the stream is synchronised.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
+    s1.synchronize().unwrap();
+    let back = stream.clone_dtoh(&x).unwrap();
+    assert!(back.iter().zip(&host).all(|(b, h)| *b == h + 1.0), "the peer's writes landed");
 }

@@ -1,7 +1,8 @@
 //! CUDA through cudarc's driver API: `cuMemAlloc`/`cuMemFree` for segments, CUDA events for
 //! cross-stream frees, `cuMemAddressReserve`/`cuMemCreate`/`cuMemMap`/`cuMemSetAccess` for
 //! expandable segments (physical allocations exportable as POSIX file descriptors where the
-//! device allows, GPUDirect RDMA capable where it says so; fabric handles are not asked for). This file and `host.rs` hold the crate's only CUDA `unsafe`.
+//! device allows, GPUDirect RDMA capable where it says so, readable and writable by every peer
+//! device that can reach it; fabric handles are not asked for). This file and `host.rs` hold the crate's only CUDA `unsafe`.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -51,6 +52,9 @@ struct Vm {
     posix_fd: AtomicBool,
     /// GPUDirect RDMA on virtual-memory allocations, where the device says it can.
     rdma: bool,
+    /// Devices that can reach this one's memory (peer access): every mapping is made readable
+    /// and writable by them too, as by this device.
+    peers: Vec<i32>,
 }
 
 /// One CUDA device.
@@ -90,10 +94,25 @@ impl CudaBackend {
                 sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
             )
         };
+        let me = ctx.cu_device();
+        let count = result::device::get_count().unwrap_or(0);
+        let peers = (0..count)
+            .filter(|&o| o as usize != ctx.ordinal())
+            .filter(|&o| {
+                let (mut d, mut can) = (0, 0);
+                // SAFETY: out-parameters for a device handle and a flag; `o` is below the count.
+                let ok = unsafe {
+                    sys::cuDeviceGet(&mut d, o) == CUresult::CUDA_SUCCESS
+                        && sys::cuDeviceCanAccessPeer(&mut can, d, me) == CUresult::CUDA_SUCCESS
+                };
+                ok && can != 0
+            })
+            .collect();
         (r == CUresult::CUDA_SUCCESS && g.is_power_of_two()).then(|| Vm {
             granularity: g,
             posix_fd: AtomicBool::new(posix_fd),
             rdma,
+            peers,
         })
     }
 }
@@ -265,13 +284,19 @@ unsafe impl Backend for CudaBackend {
         // SAFETY: the caller promises `addr..addr + size` is an unmapped, aligned range of one of
         // our reservations; `h` is `size` bytes.
         check(unsafe { sys::cuMemMap(addr, size, 0, h, 0) }).map_err(release)?;
-        // SAFETY: a plain C struct of integers, all zeros valid.
-        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        desc.location.id = ordinal as i32;
-        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        // SAFETY: the range was just mapped; `desc` is one valid descriptor.
-        if let Err(e) = check(unsafe { sys::cuMemSetAccess(addr, size, &desc, 1) }) {
+        let descs: Vec<sys::CUmemAccessDesc> = std::iter::once(ordinal as i32)
+            .chain(vm.peers.iter().copied())
+            .map(|id| {
+                // SAFETY: a plain C struct of integers, all zeros valid.
+                let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+                d.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                d.location.id = id;
+                d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                d
+            })
+            .collect();
+        // SAFETY: the range was just mapped; `descs` are valid descriptors, counted exactly.
+        if let Err(e) = check(unsafe { sys::cuMemSetAccess(addr, size, descs.as_ptr(), descs.len()) }) {
             // SAFETY: the mapping made above, undone before its handle is released.
             let _ = unsafe { sys::cuMemUnmap(addr, size) };
             return Err(release(e));
