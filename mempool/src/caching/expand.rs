@@ -139,31 +139,44 @@ impl State {
     pub(super) fn plan_map(&mut self, key: SetKey, rounded: usize) -> Option<MapPlan> {
         let page = self.vm_page?;
         let whole = rounded.checked_next_multiple_of(page)?;
-        let mut best: Option<(usize, u64, u32)> = None;
+        // (bytes to map, where, reservation, start of the free range it comes from)
+        let mut best: Option<(usize, u64, u32, u64)> = None;
         for (ri, r) in self.reservations.iter().enumerate() {
             let Some(r) = r.as_ref().filter(|r| r.key == key) else { continue };
             for (&at, &len) in &r.free {
-                let mut need = whole;
+                let (mut need, mut addr) = (whole, at);
                 if r.merge {
                     let before = r.segs.range(..at).next_back().map(|(_, &s)| s);
                     if let Some(s) = before.filter(|&s| self.seg(s).addr + self.seg(s).size as u64 == at) {
                         let last = self.block(self.last_block(s));
-                        if last.state == BlockState::Free && last.size < rounded {
-                            need = (rounded - last.size).next_multiple_of(page);
+                        if last.state == BlockState::Free {
+                            if last.size < rounded {
+                                need = (rounded - last.size).next_multiple_of(page);
+                            } else {
+                                // Big enough, yet best fit passed it over (`max_split_size`, or
+                                // a block too large for a whole-block request): new memory must
+                                // not merge into it. A page's gap keeps them apart.
+                                addr = at + page as u64;
+                            }
                         }
                     }
                 }
-                if need <= len && best.is_none_or(|(n, a, _)| (need, at) < (n, a)) {
-                    best = Some((need, at, ri as u32));
+                let room = len.saturating_sub((addr - at) as usize);
+                if need <= room && best.is_none_or(|(n, a, _, _)| (need, addr) < (n, a)) {
+                    best = Some((need, addr, ri as u32, at));
                 }
             }
         }
-        let (size, addr, res) = best?;
+        let (size, addr, res, from) = best?;
         let small = key.2;
         let r = self.res_mut(res);
-        let len = r.free.remove(&addr).expect("a free range");
-        if len > size {
-            r.free.insert(addr + size as u64, len - size);
+        let len = r.free.remove(&from).expect("a free range");
+        if addr > from {
+            r.free.insert(from, (addr - from) as usize);
+        }
+        let end = from + len as u64;
+        if addr + (size as u64) < end {
+            r.free.insert(addr + size as u64, (end - addr) as usize - size);
         }
         r.busy += 1;
         let chunk = match (r.merge, small) {
@@ -214,7 +227,9 @@ impl State {
     /// The planned map is done: `mapped` are the physical allocations made, a prefix of the
     /// plan's (the rest failed and goes back to the free ranges). The new memory joins the
     /// segment that ends where it starts (its last block grows if free), or becomes a segment.
-    pub(super) fn finish_map(&mut self, plan: &MapPlan, mapped: &[(u64, usize, u64)]) {
+    ///
+    /// Returns the free block that holds the new memory (filed in its free set).
+    pub(super) fn finish_map(&mut self, plan: &MapPlan, mapped: &[(u64, usize, u64)]) -> Option<BlockIdx> {
         let ok: usize = mapped.iter().map(|m| m.1).sum();
         let (key, stream, merge) = {
             let r = self.res_mut(plan.res);
@@ -237,21 +252,19 @@ impl State {
                 self.emit_entry(Action::SegmentMap, id, a, s, stream.raw);
             }
         }
-        if ok > 0 {
-            self.attach(plan.res, plan.addr, ok, key, merge);
-        }
+        let block = (ok > 0).then(|| self.attach(plan.res, plan.addr, ok, key, merge));
         self.maybe_unreserve(plan.res);
+        block
     }
 
     /// Newly mapped memory at `addr` becomes free blocks: the end of the segment just before it
     /// (if blocks may span physical allocations), or a segment of its own.
-    fn attach(&mut self, res: u32, addr: u64, size: usize, key: SetKey, merge: bool) {
+    fn attach(&mut self, res: u32, addr: u64, size: usize, key: SetKey, merge: bool) -> BlockIdx {
         let before = self.res(res).segs.range(..addr).next_back().map(|(_, &s)| s);
         let extend = before.filter(|&s| merge && self.seg(s).addr + self.seg(s).size as u64 == addr);
         let Some(seg) = extend else {
             let (stream, keep) = (self.res(res).stream, self.res(res).keep.clone());
-            self.new_range(res, addr, size, key, stream, keep);
-            return;
+            return self.new_range(res, addr, size, key, stream, keep);
         };
         self.segments[seg.0 as usize].size += size;
         let last = self.last_block(seg);
@@ -261,6 +274,7 @@ impl State {
             self.block_mut(last).size += size;
             self.insert_free(last);
             self.count_inactive(last, true);
+            last
         } else {
             let l = self.block(last);
             let (set, pool, small) = (l.set, l.pool, l.small);
@@ -281,17 +295,38 @@ impl State {
             self.block_mut(last).next = Some(b);
             self.insert_free(b);
             self.count_inactive(b, true);
+            b
         }
     }
 
     /// A contiguous mapped range of reservation `res` becomes a segment: one free block, filed.
-    fn new_range(&mut self, res: u32, addr: u64, size: usize, key: SetKey, stream: StreamRef, keep: Option<Keep>) {
+    fn new_range(
+        &mut self,
+        res: u32,
+        addr: u64,
+        size: usize,
+        key: SetKey,
+        stream: StreamRef,
+        keep: Option<Keep>,
+    ) -> BlockIdx {
         let b = self.link_segment(addr, size, key, stream, keep, Some(res));
         let seg = self.block(b).seg;
         self.segments[seg.0 as usize].freed_at = self.tick;
         self.res_mut(res).segs.insert(addr, seg);
         self.insert_free(b);
         self.count_range(key.0, key.2, true);
+        b
+    }
+
+    /// Gives back the reservations of the pools `which` selects that have nothing mapped and
+    /// nothing under way (one made for a request that then found a block another thread freed).
+    pub(super) fn release_idle_reservations(&mut self, which: impl Fn(&super::state::PoolState) -> bool) {
+        for r in 0..self.reservations.len() as u32 {
+            let idle = self.reservations[r as usize].as_ref().is_some_and(|x| which(&self.pools[x.key.0.get()]));
+            if idle {
+                self.maybe_unreserve(r);
+            }
+        }
     }
 
     fn count_range(&mut self, slot: Slot, small: bool, added: bool) {
@@ -488,7 +523,7 @@ impl State {
                 }
                 // A segment of its own (blocks may join it only as it grows at its end).
                 let (stream, keep) = (self.res(u.res).stream, self.res(u.res).keep.clone());
-                self.new_range(u.res, u.addr, u.size, key, stream, keep);
+                let _ = self.new_range(u.res, u.addr, u.size, key, stream, keep);
             }
         }
         self.maybe_unreserve(u.res);

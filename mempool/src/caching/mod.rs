@@ -103,6 +103,8 @@ pub(crate) struct Allocation {
 
 /// What mapping more memory for a request came to.
 enum Grown<'a> {
+    /// The request is served from newly mapped memory.
+    Done(Allocation),
     /// Memory was mapped or a reservation made: look for a block again.
     Retry,
     Failed(Error),
@@ -522,6 +524,7 @@ impl DeviceAllocator {
             }
             if st.pools[slot.get()].spec.expandable {
                 match self.map_more(st, req, rounded, key, slot, &keep) {
+                    Grown::Done(a) => return Ok(a),
                     Grown::Retry => continue,
                     Grown::Failed(e) => return Err(e),
                     Grown::OutOfMemory(locked) => st = locked,
@@ -694,7 +697,20 @@ impl DeviceAllocator {
                 }
                 let mut st = self.lock();
                 st.growing -= plan.size;
-                st.finish_map(&plan, &mapped);
+                let grown = st.finish_map(&plan, &mapped);
+                // The new memory's block is taken at once (in this locked section, so no other
+                // request takes it first), past best fit's rules: it was made for this request
+                // (`plan_map` never grows a block best fit passed over), and a block grown to
+                // page size may cross `max_split_size` although the request does not.
+                let fits = grown.filter(|&b| failed.is_none() && st.block(b).size >= rounded);
+                let slot_now = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
+                if let Some(b) = fits.filter(|&b| st.block(b).pool == slot_now) {
+                    st.remove_free(b);
+                    let (block, _) = st.take_block(b, rounded, req.size);
+                    let a = st.allocation(block);
+                    self.unlock(st, true);
+                    return Grown::Done(a);
+                }
                 match failed {
                     Some(BackendError::Failed(m)) => {
                         let e = Error::Backend { op: "map", message: m };

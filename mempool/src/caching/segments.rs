@@ -191,6 +191,7 @@ impl State {
                 self.release_segment(SegIdx(seg as u32));
             }
         }
+        self.release_idle_reservations(&which);
         for slot in 1..self.pools.len() as u32 {
             self.retire_pool_if_empty(Slot(slot));
         }
