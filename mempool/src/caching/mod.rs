@@ -529,94 +529,78 @@ impl DeviceAllocator {
                     Grown::Failed(e) => return Err(e),
                     Grown::OutOfMemory(locked) => st = locked,
                 }
-                if !retried {
-                    retried = true;
-                    drop(st);
-                    self.out_of_memory_retry(slot);
-                    continue;
-                }
-                if slot == Slot::DEFAULT {
-                    if let Some(b) = st.borrow_from_pools(req.stream.key, small, rounded) {
-                        let (block, _) = st.take_block(b, rounded, req.size);
+            } else {
+                let id = st.pools[slot.get()].spec.id;
+                let align = st.pools[slot.get()].spec.align;
+                let source = match &st.pools[slot.get()].spec.raw {
+                    Some(a) => Source::Pool(a.clone()),
+                    None => Source::Backend,
+                };
+                let got = match st.segment_size_for(slot, rounded) {
+                    Some(size) if st.within_limit(size) => {
+                        st.growing += size;
+                        self.unlock(st, true);
+                        let seg_keep = keep.take().unwrap_or_else(|| (req.keep)());
+                        let r = contain("the pool allocator", || match &source {
+                            Source::Backend => be.alloc_segment(size, req.stream.raw),
+                            Source::Pool(a) => crate::backend::as_source(|| a.alloc(size, be.device(), req.stream.raw)),
+                        });
+                        st = self.lock();
+                        st.growing -= size;
+                        Some((r, size, seg_keep))
+                    }
+                    _ => None,
+                };
+                // The pool may have been released, and its slot taken, while the lock was let go: the
+                // request then falls back to the default pools (and blames no other pool).
+                let now = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
+                let gone = now != slot || st.pools[now.get()].spec.id != id;
+                match got {
+                    Some((Ok(addr), size, seg_keep)) if addr != 0 => {
+                        let misaligned = addr % align as u64 != 0;
+                        // The free sets pack addresses into 56 bits; no device hands out higher ones.
+                        let too_high = addr.checked_add(size as u64).is_none_or(|end| end > 1 << 56);
+                        if misaligned || too_high || gone {
+                            let why = if misaligned {
+                                Some(format!("returned {addr:#x}, not aligned to its granularity of {align} bytes"))
+                            } else if too_high {
+                                Some(format!("returned {addr:#x}, whose segment ends above 2^56"))
+                            } else {
+                                None
+                            };
+                            let err = why.filter(|_| !gone).map(|w| st.alloc_failed(slot, w));
+                            keep = Some(seg_keep.clone());
+                            drop(st);
+                            self.give_back(&source, addr, size, req.stream, seg_keep);
+                            match err {
+                                Some(e) => return Err(e),
+                                None => continue,
+                            }
+                        }
+                        let block = st.insert_segment(addr, size, key, req.stream, seg_keep, true);
+                        let (block, _) = st.take_block(block, rounded, req.size);
                         let a = st.allocation(block);
                         self.unlock(st, true);
                         return Ok(a);
                     }
-                }
-                let e = st.oom(be, req.size, slot);
-                self.unlock(st, true);
-                return Err(e);
-            }
-            let id = st.pools[slot.get()].spec.id;
-            let align = st.pools[slot.get()].spec.align;
-            let source = match &st.pools[slot.get()].spec.raw {
-                Some(a) => Source::Pool(a.clone()),
-                None => Source::Backend,
-            };
-            let got = match st.segment_size_for(slot, rounded) {
-                Some(size) if st.within_limit(size) => {
-                    st.growing += size;
-                    self.unlock(st, true);
-                    let seg_keep = keep.take().unwrap_or_else(|| (req.keep)());
-                    let r = contain("the pool allocator", || match &source {
-                        Source::Backend => be.alloc_segment(size, req.stream.raw),
-                        Source::Pool(a) => crate::backend::as_source(|| a.alloc(size, be.device(), req.stream.raw)),
-                    });
-                    st = self.lock();
-                    st.growing -= size;
-                    Some((r, size, seg_keep))
-                }
-                _ => None,
-            };
-            // The pool may have been released, and its slot taken, while the lock was let go: the
-            // request then falls back to the default pools (and blames no other pool).
-            let now = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
-            let gone = now != slot || st.pools[now.get()].spec.id != id;
-            match got {
-                Some((Ok(addr), size, seg_keep)) if addr != 0 => {
-                    let misaligned = addr % align as u64 != 0;
-                    // The free sets pack addresses into 56 bits; no device hands out higher ones.
-                    let too_high = addr.checked_add(size as u64).is_none_or(|end| end > 1 << 56);
-                    if misaligned || too_high || gone {
-                        let why = if misaligned {
-                            Some(format!("returned {addr:#x}, not aligned to its granularity of {align} bytes"))
-                        } else if too_high {
-                            Some(format!("returned {addr:#x}, whose segment ends above 2^56"))
-                        } else {
-                            None
-                        };
-                        let err = why.filter(|_| !gone).map(|w| st.alloc_failed(slot, w));
-                        keep = Some(seg_keep.clone());
+                    Some((_, _, seg_keep)) if gone => {
+                        keep = Some(seg_keep);
                         drop(st);
-                        self.give_back(&source, addr, size, req.stream, seg_keep);
-                        match err {
-                            Some(e) => return Err(e),
-                            None => continue,
-                        }
+                        continue;
                     }
-                    let block = st.insert_segment(addr, size, key, req.stream, seg_keep, true);
-                    let (block, _) = st.take_block(block, rounded, req.size);
-                    let a = st.allocation(block);
-                    self.unlock(st, true);
-                    return Ok(a);
+                    Some((Err(BackendError::Failed(m)), _, _)) => {
+                        let e = st.alloc_failed(slot, m);
+                        self.unlock(st, false);
+                        return Err(e);
+                    }
+                    // Out of memory: `Ok(0)`, `Err(OutOfMemory)`, or over the limit.
+                    Some((_, _, seg_keep)) => keep = Some(seg_keep),
+                    None if gone => {
+                        drop(st);
+                        continue;
+                    }
+                    None => {}
                 }
-                Some((_, _, seg_keep)) if gone => {
-                    keep = Some(seg_keep);
-                    drop(st);
-                    continue;
-                }
-                Some((Err(BackendError::Failed(m)), _, _)) => {
-                    let e = st.alloc_failed(slot, m);
-                    self.unlock(st, false);
-                    return Err(e);
-                }
-                // Out of memory: `Ok(0)`, `Err(OutOfMemory)`, or over the limit.
-                Some((_, _, seg_keep)) => keep = Some(seg_keep),
-                None if gone => {
-                    drop(st);
-                    continue;
-                }
-                None => {}
             }
             if !retried {
                 retried = true;
