@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock};
 use cudarc::driver::sys as cu;
 use cudarc::driver::CudaContext;
 use cudarc::nccl::sys;
-use mempool::{Allocator, BackendError, MemPool, PoolOptions, RawAllocator, StreamId};
+use mempool::{Allocator, BackendError, MapGuard, MemPool, PoolOptions, RawAllocator, StreamId};
 
 use crate::error::{Error, Result};
 use crate::ledger;
@@ -163,6 +163,39 @@ fn held(ptr: u64, size: usize) -> BackendError {
     ))
 }
 
+/// The [`MapGuard`] that makes an expandable pool's memory registrable: every physical
+/// allocation the pool maps (`cuMemCreate`, the handle types NCCL's registration needs) joins the
+/// crate's ledger of live segments, which communicators register; an unmap waits until no
+/// communicator holds it (a deregistration that failed keeps it mapped, and a later
+/// `empty_cache` tries again), as `ncclMemFree` does for [`NcclMemAllocator`].
+///
+/// [`nccl_pool_with`] puts it on expandable pools; put it on a pool of your own with
+/// [`PoolOptions::map_guard`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NcclMapGuard;
+
+impl MapGuard for NcclMapGuard {
+    fn mapped(&self, addr: u64, size: usize) {
+        ledger::add_segment(addr, size);
+    }
+
+    fn unmapping(&self, addr: u64, size: usize) -> std::result::Result<(), String> {
+        if ledger::let_go_unless_held(addr, size) {
+            Ok(())
+        } else {
+            Err(format!(
+                "physical allocation {addr:#x} ({size} bytes) is still registered with an NCCL communicator; \
+                 it stays mapped until it is deregistered or the communicator is destroyed or aborted"
+            ))
+        }
+    }
+}
+
+/// Whether NCCL registers a buffer that spans two physical allocations (2.29.2 and later).
+pub fn nccl_registers_spans() -> Result<bool> {
+    Ok(nccl_version()? >= (2, 29, 2))
+}
+
 /// A pool of CUDA device `device` whose segments come from `ncclMemAlloc`.
 ///
 /// ```no_run
@@ -175,7 +208,25 @@ pub fn nccl_pool(device: usize) -> Result<MemPool> {
 }
 
 /// Like [`nccl_pool`], with options (`no_split`, `use_on_oom`...); the allocator is set here.
+///
+/// With [`PoolOptions::expandable`]: no `ncclMemAlloc`; the pool maps the device's memory on
+/// demand into reserved address ranges (with the handle types and access NCCL's registration
+/// needs, as `ncclMemAlloc` does), guarded by [`NcclMapGuard`], so a communicator registers each
+/// physical allocation as it is mapped. NCCL before 2.29.2 registers one physical allocation per
+/// buffer, so there the pool is also made [`no_span`](PoolOptions::no_span): every buffer lies in
+/// one physical allocation and every collective on it is zero-copy.
+///
+/// ```no_run
+/// use mempool::PoolOptions;
+/// let pool = mempool_nccl::nccl_pool_with(0, PoolOptions::new().expandable(true))?;
+/// # Ok::<(), mempool_nccl::Error>(())
+/// ```
 pub fn nccl_pool_with(device: usize, options: PoolOptions) -> Result<MemPool> {
+    if options.is_expandable() {
+        let spans = nccl_registers_spans()?;
+        let options = if spans { options } else { options.no_span(true) };
+        return Ok(MemPool::on(&Allocator::cuda(device)?, options.map_guard(NcclMapGuard))?);
+    }
     let a = NcclMemAllocator::new(device)?;
     Ok(MemPool::on(&Allocator::cuda(device)?, options.allocator(a))?)
 }

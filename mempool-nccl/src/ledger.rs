@@ -125,6 +125,17 @@ pub(crate) fn free_segment<E>(
     })
 }
 
+/// Takes the physical allocation at `addr` off the live set unless a hold overlaps it (checked
+/// and done in one step, as [`free_segment`] does); `false`: held, left live.
+pub(crate) fn let_go_unless_held(addr: u64, size: usize) -> bool {
+    let mut l = ledger();
+    if l.held(addr, size) {
+        return false;
+    }
+    l.segments.remove(&addr);
+    true
+}
+
 /// A segment whose free failed half-way: no longer a live segment of ours (leaked).
 pub(crate) fn forget_segment(addr: u64) {
     ledger().segments.remove(&addr);

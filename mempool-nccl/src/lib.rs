@@ -44,7 +44,7 @@ pub mod register;
 pub mod types;
 pub mod window;
 
-pub use alloc::{nccl_pool, nccl_pool_with, nccl_version, NcclMemAllocator};
+pub use alloc::{nccl_pool, nccl_pool_with, nccl_registers_spans, nccl_version, NcclMapGuard, NcclMemAllocator};
 pub use comm::{Communicator, Id};
 pub use env::LaunchEnv;
 pub use error::{Error, Result};

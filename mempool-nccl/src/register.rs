@@ -228,8 +228,12 @@ impl Registration {
             let mut st = lock(&state);
             let freed = st.freed_meanwhile.take().unwrap_or_default();
             for seg in snap.segments.iter().filter(|s| pool.is_none_or(|p| p == s.pool)) {
-                if !freed.contains(&seg.address) {
-                    st.register(seg.address, seg.total_size);
+                // An expandable segment is registered as the physical allocations it was
+                // mapped in, as the hook registers them.
+                let whole = [(seg.address, seg.total_size)];
+                let pieces = if seg.mappings.is_empty() { &whole[..] } else { &seg.mappings[..] };
+                for &(addr, size) in pieces.iter().filter(|p| !freed.contains(&p.0)) {
+                    st.register(addr, size);
                 }
             }
         }

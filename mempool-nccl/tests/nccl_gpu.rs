@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaStream;
 use mempool::{with_pool, Allocator, BackendError, Buffer, MemPool, PoolOptions, RawAllocator, StreamId};
-use mempool_nccl::{nccl_pool, Bf16, Communicator, NcclMemAllocator, NcclType, ReduceOp, Registration};
+use mempool_nccl::{
+    nccl_pool, nccl_pool_with, nccl_registers_spans, Bf16, Communicator, NcclMapGuard, NcclMemAllocator, NcclType, ReduceOp,
+    Registration,
+};
 
 fn gpus() -> usize {
     mempool::device_count().expect("a CUDA driver")
@@ -103,6 +106,78 @@ fn all_reduce_on_registered_pool_buffers_threads() {
         rank
     });
     assert_eq!(results, (0..world).collect::<Vec<_>>());
+}
+
+/// The physical allocations of `pool` under `buf`.
+fn mappings_under(pool: &MemPool, ptr: u64, bytes: usize) -> Vec<(u64, usize)> {
+    let snap = pool.snapshot();
+    let maps = snap.segments.iter().flat_map(|s| s.mappings.iter().copied());
+    maps.filter(|&(a, s)| a < ptr + bytes as u64 && ptr < a + s as u64).collect()
+}
+
+/// All-reduces on an expandable registered `nccl_pool` (every buffer inside one physical
+/// allocation, each registered) and on an expandable pool whose buffers may span two
+/// (registered piece by piece: NCCL before 2.29.2 must not take such a buffer zero-copy, and the
+/// result shows whether it did), results checked; then everything is deregistered before it is
+/// unmapped.
+fn check_expandable_pools(comm: &Communicator) {
+    let world = comm.world_size();
+    let dev = comm.device();
+    let alloc = Allocator::cuda(dev).unwrap();
+    let stream = alloc.current_stream();
+    let rank = comm.rank();
+    let sum_ranks: i32 = (0..world as i32).map(|r| r + 1).sum();
+    let pool = nccl_pool_with(dev, PoolOptions::new().expandable(true)).unwrap();
+    let reg = comm.register_pool(&pool).unwrap();
+    check_all_reduce(comm, &pool, &stream, 1.5f32 * (rank + 1) as f32, 1.5 * sum_ranks as f32);
+    check_all_reduce(comm, &pool, &stream, (rank as i32 + 1) * 7, sum_ranks * 7);
+    // 30 MiB: one physical allocation of its own when NCCL needs that, and registered.
+    let mut big = filled(&pool, &stream, (rank + 1) as f32, 30 << 18);
+    let (ptr, bytes) = (big.device_ptr_raw(), 30 << 20);
+    let under = mappings_under(&pool, ptr, bytes);
+    if !nccl_registers_spans().unwrap() {
+        assert_eq!(under.len(), 1, "a buffer spans physical allocations: {under:?}");
+    }
+    for m in &under {
+        assert!(reg.segments().contains(m), "{m:x?} is not registered: {:x?}", reg.segments());
+    }
+    comm.all_reduce_in_place(&mut big, ReduceOp::Sum, &stream).unwrap();
+    let got = stream.clone_dtoh(&big).unwrap();
+    assert!(got.iter().all(|x| *x == sum_ranks as f32), "rank {rank}: {}", got[0]);
+    drop(big);
+    // A pool whose buffers span physical allocations (20 MiB each for large blocks).
+    let spans = MemPool::on(&alloc, PoolOptions::new().expandable(true).map_guard(NcclMapGuard)).unwrap();
+    let sreg = comm.register_pool(&spans).unwrap();
+    let mut wide = filled(&spans, &stream, (rank + 1) as f32, 30 << 18);
+    let under = mappings_under(&spans, wide.device_ptr_raw(), 30 << 20);
+    assert!(under.len() >= 2, "meant to span two physical allocations: {under:?}");
+    for m in &under {
+        assert!(sreg.segments().contains(m), "{m:x?} is not registered");
+    }
+    comm.all_reduce_in_place(&mut wide, ReduceOp::Sum, &stream).unwrap();
+    let got = stream.clone_dtoh(&wide).unwrap();
+    let bad = got.iter().position(|x| *x != sum_ranks as f32);
+    assert!(bad.is_none(), "rank {rank}: element {bad:?} of a spanning buffer is {}", got[bad.unwrap_or(0)]);
+    stream.synchronize().unwrap();
+    drop(wide);
+    spans.empty_cache().unwrap();
+    assert!(sreg.segments().is_empty(), "unmapped memory still registered: {:x?}", sreg.segments());
+    assert!(sreg.take_errors().is_empty() && reg.take_errors().is_empty());
+    // Every rank is done with the collectives before memory goes.
+    let mut one = filled(&pool, &stream, 1f32, 1);
+    comm.all_reduce_in_place(&mut one, ReduceOp::Sum, &stream).unwrap();
+    stream.synchronize().unwrap();
+    drop(one);
+    pool.empty_cache().unwrap();
+    let left = reg.segments();
+    let snap: Vec<(u64, usize)> = pool.snapshot().segments.iter().flat_map(|s| s.mappings.clone()).collect();
+    assert_eq!(left, snap, "registered exactly what is still mapped");
+}
+
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn all_reduce_on_expandable_registered_pools_threads() {
+    on_every_gpu(|comm| check_expandable_pools(&comm));
 }
 
 /// `ncclMemAlloc`, checking at every free that no registration still holds the segment.
@@ -228,6 +303,7 @@ fn child_rank_from_environment() {
     comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &stream).unwrap();
     let got = stream.clone_dtoh(&b).unwrap();
     assert!(got.iter().all(|x| *x == 3.0), "rank {} got {}", comm.rank(), got[0]);
+    check_expandable_pools(&comm);
     comm.destroy().unwrap();
 }
 

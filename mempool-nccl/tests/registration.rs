@@ -401,3 +401,50 @@ fn without_nccl_the_error_names_the_library() {
     assert!(e.to_string().contains("libnccl.so.2"));
     assert!(mempool_nccl::nccl_pool(0).is_err());
 }
+
+/// A map guard that keeps a physical allocation mapped while a registrar has it, as
+/// `NcclMapGuard` does through the ledger.
+struct KeepRegistered(Recording);
+
+impl mempool::MapGuard for KeepRegistered {
+    fn mapped(&self, _addr: u64, _size: usize) {}
+    fn unmapping(&self, addr: u64, _size: usize) -> Result<(), String> {
+        if self.0.live().iter().any(|l| l.0 == addr) {
+            return Err(format!("{addr:#x} still registered"));
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn expandable_pools_register_each_physical_allocation_and_deregister_before_its_unmap() {
+    const MIB: usize = 1 << 20;
+    let sim = SimDevice::new(1 << 30);
+    let a = Allocator::sim(sim.clone());
+    let r = Recording::default();
+    let p = MemPool::on(&a, PoolOptions::new().expandable(true).no_span(true).map_guard(KeepRegistered(r.clone())))
+        .unwrap();
+    // Mapped before the registration: registered from the snapshot, piece by piece.
+    let x = p.alloc::<u8>(3 * MIB).unwrap();
+    let reg = attach(&a, &p, &r);
+    let y = p.alloc::<u8>(5 * MIB).unwrap();
+    assert_eq!(r.live(), sim.mapped(), "each physical allocation registered on its own");
+    assert!(reg.take_errors().is_empty());
+    // Unmapped ones are deregistered first (the guard would refuse otherwise).
+    drop(x);
+    p.empty_cache().unwrap();
+    assert_eq!(r.live(), sim.mapped());
+    assert_eq!(r.live().len(), 1);
+    // A failed deregistration keeps the memory mapped and registered, and a retry ends both.
+    drop(y);
+    r.fail_deregister(true);
+    assert!(p.empty_cache().is_err(), "the guard refuses to unmap registered memory");
+    assert_eq!(r.live(), sim.mapped());
+    assert!(!reg.take_errors().is_empty());
+    r.fail_deregister(false);
+    p.empty_cache().unwrap();
+    assert!(sim.mapped().is_empty() && r.live().is_empty());
+    let log = r.log();
+    assert!(log.iter().all(|l| !l.contains("failed") || log.iter().any(|m| m == &l.replace(" failed", ""))));
+    drop(reg);
+}

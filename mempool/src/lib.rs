@@ -64,7 +64,7 @@ mod sync;
 pub mod trace;
 
 pub use allocator::{Allocator, Cuda, Host, Kind, Sim};
-pub use backend::{sim, Backend, BackendError, RawAllocator};
+pub use backend::{sim, Backend, BackendError, MapGuard, RawAllocator};
 pub use buffer::Buffer;
 pub use config::Config;
 pub use counting::{AllocatorCounts, Counting};

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use crate::allocator::Allocator;
 use crate::backend::contain;
-pub use crate::backend::RawAllocator;
+pub use crate::backend::{MapGuard, RawAllocator};
 use crate::buffer::Buffer;
 use crate::caching::PoolSpec;
 use crate::elem::AnyBitPattern;
@@ -41,6 +41,7 @@ pub struct PoolOptions {
     granularity: Option<usize>,
     expandable: bool,
     no_span: bool,
+    map_guard: Option<Arc<dyn MapGuard>>,
 }
 
 impl fmt::Debug for PoolOptions {
@@ -52,6 +53,7 @@ impl fmt::Debug for PoolOptions {
             .field("granularity", &self.granularity)
             .field("expandable", &self.expandable)
             .field("no_span", &self.no_span)
+            .field("map_guard", &self.map_guard.is_some())
             .finish()
     }
 }
@@ -114,6 +116,20 @@ impl PoolOptions {
     pub fn no_span(mut self, yes: bool) -> PoolOptions {
         self.no_span = yes;
         self
+    }
+
+    /// With [`expandable`](Self::expandable): `guard` is told of every physical allocation as it
+    /// is mapped, and asked before each unmap (it may keep the memory mapped). `mempool-nccl`
+    /// keeps its ledger of what NCCL holds this way. [`MemPool::on`] refuses a guard on a pool
+    /// that is not expandable.
+    pub fn map_guard(mut self, guard: impl MapGuard) -> PoolOptions {
+        self.map_guard = Some(Arc::new(guard));
+        self
+    }
+
+    /// Whether [`expandable`](Self::expandable) was asked for.
+    pub fn is_expandable(&self) -> bool {
+        self.expandable
     }
 }
 
@@ -186,6 +202,11 @@ impl<K: Kind> MemPool<K> {
                 "PoolOptions: an expandable pool maps the device's memory itself; it cannot take its segments from a RawAllocator".into(),
             ));
         }
+        if options.map_guard.is_some() && !options.expandable {
+            return Err(Error::Config(
+                "PoolOptions::map_guard: only an expandable pool maps memory; this one is not expandable".into(),
+            ));
+        }
         if options.expandable && alloc.shared.core.backend().vm_granularity().is_none() {
             return Err(Error::Config(format!(
                 "PoolOptions::expandable: the {} backend of device {} has no virtual memory management",
@@ -196,6 +217,7 @@ impl<K: Kind> MemPool<K> {
         let spec = PoolSpec {
             expandable: options.expandable,
             merge_runs: !options.no_span,
+            map_guard: options.map_guard,
             id,
             raw: options.allocator,
             use_on_oom: options.use_on_oom,

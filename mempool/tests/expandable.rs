@@ -307,3 +307,98 @@ fn large_blocks_in_expandable_memory_split_off_any_rest() {
     check_invariants(&a, Some(&sim));
     drop(x);
 }
+
+/// A guard like mempool-nccl's ledger: the live physical allocations, some of them held.
+#[derive(Default)]
+struct Ledger {
+    live: Mutex<std::collections::BTreeMap<u64, usize>>,
+    held: Mutex<Vec<u64>>,
+    /// `mapped` calls that found the hooks had already seen the map.
+    late: Mutex<usize>,
+    hooked: Mutex<Vec<u64>>,
+    panic_on_unmap: std::sync::atomic::AtomicBool,
+}
+
+struct Guard(Arc<Ledger>);
+
+impl mempool::MapGuard for Guard {
+    fn mapped(&self, addr: u64, size: usize) {
+        if self.0.hooked.lock().unwrap().contains(&addr) {
+            *self.0.late.lock().unwrap() += 1;
+        }
+        self.0.live.lock().unwrap().insert(addr, size);
+    }
+    fn unmapping(&self, addr: u64, _size: usize) -> Result<(), String> {
+        if self.0.panic_on_unmap.load(std::sync::atomic::Ordering::Relaxed) {
+            panic!("guard panics");
+        }
+        if self.0.held.lock().unwrap().contains(&addr) {
+            return Err(format!("{addr:#x} is held"));
+        }
+        self.0.live.lock().unwrap().remove(&addr);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_map_guard_sees_every_map_first_and_can_keep_memory_mapped() {
+    let (sim, a) = expandable(1 << 30);
+    let ledger = Arc::new(Ledger::default());
+    let p = MemPool::on(&a, PoolOptions::new().expandable(true).no_span(true).map_guard(Guard(ledger.clone()))).unwrap();
+    let (me, l2) = (a.id(), ledger.clone());
+    let _h = trace::attach(move |e| {
+        if e.allocator == me && e.action == Action::SegmentMap {
+            l2.hooked.lock().unwrap().push(e.addr);
+        }
+    })
+    .unwrap();
+    let x = p.alloc::<u8>(3 * MIB).unwrap();
+    let y = p.alloc::<u8>(5 * MIB).unwrap();
+    let live: Vec<(u64, usize)> = ledger.live.lock().unwrap().iter().map(|(&a, &s)| (a, s)).collect();
+    assert_eq!(live, sim.mapped(), "the guard knows every physical allocation");
+    assert_eq!(*ledger.late.lock().unwrap(), 0, "told before the hooks");
+    let snap = p.snapshot();
+    let maps: Vec<(u64, usize)> = snap.segments.iter().flat_map(|s| s.mappings.clone()).collect();
+    assert_eq!(maps, sim.mapped(), "snapshots list each segment's physical allocations");
+    // The first allocation is held (a registration whose deregistration failed, say).
+    ledger.held.lock().unwrap().push(SimDevice::VM_BASE);
+    drop((x, y));
+    let e = p.empty_cache().unwrap_err();
+    assert!(e.to_string().contains("is held"), "{e}");
+    assert_eq!(sim.mapped(), vec![(SimDevice::VM_BASE, 4 * MIB)], "the held one stays mapped, the other goes");
+    assert_eq!(ledger.live.lock().unwrap().len(), 1);
+    assert_eq!(p.memory_stats().reserved_bytes.current, (4 * MIB) as i64);
+    check_invariants(&a, Some(&sim));
+    // Still usable while held.
+    let z = p.alloc::<u8>(4 * MIB).unwrap();
+    assert_eq!(z.device_ptr_raw(), SimDevice::VM_BASE);
+    drop(z);
+    // A guard that panics keeps it mapped too, and says so.
+    ledger.held.lock().unwrap().clear();
+    ledger.panic_on_unmap.store(true, std::sync::atomic::Ordering::Relaxed);
+    let e = p.empty_cache().unwrap_err();
+    assert!(e.to_string().contains("guard panics"), "{e}");
+    assert_eq!(sim.mapped().len(), 1);
+    check_invariants(&a, Some(&sim));
+    ledger.panic_on_unmap.store(false, std::sync::atomic::Ordering::Relaxed);
+    p.empty_cache().unwrap();
+    assert!(sim.mapped().is_empty());
+    assert!(ledger.live.lock().unwrap().is_empty());
+    // Refused on a pool that maps nothing.
+    let e = MemPool::on(&a, PoolOptions::new().map_guard(Guard(ledger.clone()))).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("not expandable"), "{e}");
+}
+
+#[test]
+fn a_failed_unmap_after_the_guard_let_go_tells_the_guard_it_is_back() {
+    let (sim, a) = expandable(1 << 30);
+    let ledger = Arc::new(Ledger::default());
+    let p = MemPool::on(&a, PoolOptions::new().expandable(true).map_guard(Guard(ledger.clone()))).unwrap();
+    drop(p.alloc::<u8>(3 * MIB).unwrap());
+    sim.fail_next_unmaps(1);
+    assert!(p.empty_cache().is_err());
+    let live: Vec<(u64, usize)> = ledger.live.lock().unwrap().iter().map(|(&a, &s)| (a, s)).collect();
+    assert_eq!(live, sim.mapped(), "mapped again in the guard's eyes");
+    p.empty_cache().unwrap();
+    assert!(ledger.live.lock().unwrap().is_empty() && sim.mapped().is_empty());
+}

@@ -160,6 +160,24 @@ pub unsafe trait Backend: Send + Sync + 'static {
     }
 }
 
+/// Watches the physical allocations of an expandable pool, and may keep one mapped: what a
+/// registry of memory that others hold (NCCL's registrations) needs to know.
+///
+/// Both methods are called without any of the allocator's locks held. A panic in `mapped` is
+/// caught and ignored (the memory is mapped all the same); a panic in `unmapping` is caught and
+/// keeps the memory mapped, as an error does.
+pub trait MapGuard: Send + Sync + 'static {
+    /// `size` bytes at `addr` were just mapped as one physical allocation of the pool: called
+    /// before any block of them is handed out and before the trace hooks see their
+    /// `SegmentMap`. Also called when an unmap that was let through failed after all (the
+    /// memory is still mapped, and the hooks see `SegmentMap` again).
+    fn mapped(&self, addr: u64, size: usize);
+    /// The physical allocation `addr..addr + size` is about to be unmapped; the trace hooks have
+    /// seen its `SegmentUnmap`. An `Err` keeps it mapped: it comes back as a free segment of the
+    /// pool (the hooks see `SegmentMap` again), and a later `empty_cache` tries again.
+    fn unmapping(&self, addr: u64, size: usize) -> Result<(), String>;
+}
+
 /// Where a user pool's segments come from: your own alloc/free functions (PyTorch's pluggable
 /// allocator functions).
 ///

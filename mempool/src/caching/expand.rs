@@ -23,6 +23,7 @@
 //! are not counted for expandable memory.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use super::state::{Block, BlockIdx, SegIdx, SetKey, Slot, State, Work};
 use crate::backend::Keep;
@@ -78,7 +79,6 @@ impl MapPlan {
 }
 
 /// A physical allocation taken out of its segment, to be unmapped outside the lock.
-#[derive(Debug)]
 pub(crate) struct Unmapping {
     pub(super) res: u32,
     pub(super) addr: u64,
@@ -89,6 +89,8 @@ pub(crate) struct Unmapping {
     pub(super) stream: StreamRef,
     /// Holds the stream alive for the wait.
     pub(super) _keep: Option<Keep>,
+    /// The pool's guard, asked first.
+    pub(super) guard: Option<Arc<dyn crate::backend::MapGuard>>,
 }
 
 /// A reservation with nothing mapped, to be given back outside the lock.
@@ -334,6 +336,15 @@ impl State {
         self.pools[slot.get()].stats.on_range(added);
     }
 
+    /// The physical allocations `(address, size)` of segment `seg`, in address order (none for a
+    /// segment that is not expandable).
+    pub(crate) fn mappings_of(&self, seg: SegIdx) -> Vec<(u64, usize)> {
+        let s = self.seg(seg);
+        let Some(res) = s.res else { return Vec::new() };
+        let end = s.addr + s.size as u64;
+        self.res(res).runs.range(s.addr..end).map(|(&a, &(sz, _))| (a, sz)).collect()
+    }
+
     /// Takes every physical allocation of segment `seg`'s range that lies wholly in one free
     /// block out of it (cutting the segment) and queues its unmap.
     pub(super) fn unmap_free_runs(&mut self, seg: SegIdx) {
@@ -368,7 +379,8 @@ impl State {
                 let id = self.pools[slot.get()].spec.id;
                 self.emit_entry(Action::SegmentUnmap, id, a, size, stream.raw);
             }
-            self.outbox.push(Work::Unmap(Unmapping { res, addr: a, size, handle, slot, small, stream, _keep: keep }));
+            let guard = self.pools[slot.get()].spec.map_guard.clone();
+            self.outbox.push(Work::Unmap(Unmapping { res, addr: a, size, handle, slot, small, stream, _keep: keep, guard }));
         }
     }
 

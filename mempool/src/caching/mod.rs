@@ -41,7 +41,7 @@ use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::stats::{MemoryStats, PoolStats};
 use crate::trace;
 pub(crate) use state::{BlockIdx, PoolSpec};
-use state::{Slot, Source, State, Work};
+use state::{SegIdx, Slot, Source, State, Work};
 
 thread_local! {
     /// The allocators whose outbox this thread is running (a hook or a segment free is under
@@ -186,6 +186,7 @@ impl DeviceAllocator {
             // devices without it are refused when their allocator is made.
             expandable: config.expandable_segments && backend.vm_granularity().is_some(),
             merge_runs: true,
+            map_guard: None,
         };
         let device = backend.device();
         let caches = tcache::Registry::default();
@@ -387,14 +388,26 @@ impl DeviceAllocator {
             Work::Drop(x) => drop(x),
             Work::Unmap(u) => {
                 let be = &*self.backend;
-                let res = contain("the unmap", || {
+                let vetoed = u.guard.as_ref().and_then(|g| {
+                    contain("MapGuard::unmapping", || g.unmapping(u.addr, u.size).map_err(BackendError::Failed)).err()
+                });
+                let res = match vetoed {
+                    Some(e) => Err(e),
+                    None => contain("the unmap", || {
                     // SAFETY: `u` was taken out of its segment by `unmap_free_runs`: exactly one
                     // `map` of this backend (address, size, handle), lying wholly in one free
                     // block (no block handed out, every cross-stream event completed), unmapped
                     // once (an `Unmapping` is moved); `u._keep` keeps its stream alive, and the
                     // backend waits for that stream's work before unmapping.
                     unsafe { be.unmap(u.addr, u.size, u.handle, u.stream.raw) }
-                });
+                    })
+                    .inspect_err(|_| {
+                        // Still mapped: the guard, which let it go, is told it is back.
+                        if let Some(g) = &u.guard {
+                            let _ = contain("MapGuard::mapped", || Ok(g.mapped(u.addr, u.size)));
+                        }
+                    }),
+                };
                 let mut st = self.lock();
                 st.unmapped(u, res.map_err(|e| e.to_string()));
             }
@@ -663,6 +676,7 @@ impl DeviceAllocator {
         match st.plan_map(key, rounded) {
             Some(plan) if st.within_limit(plan.size) => {
                 st.growing += plan.size;
+                let guard = st.pools[slot.get()].spec.map_guard.clone();
                 self.unlock(st, true);
                 let mut mapped = Vec::new();
                 let mut failed = None;
@@ -672,7 +686,14 @@ impl DeviceAllocator {
                     // reservation's free ranges under the lock: nothing is mapped there, and no
                     // other thread maps or unmaps there until `finish_map`.
                     match contain("the map", || unsafe { be.map(addr, size) }) {
-                        Ok(h) => mapped.push((addr, size, h)),
+                        Ok(h) => {
+                            if let Some(g) = &guard {
+                                // Told before the lock is taken again, so before the hooks can
+                                // see the map and before any block of it is handed out.
+                                let _ = contain("MapGuard::mapped", || Ok(g.mapped(addr, size)));
+                            }
+                            mapped.push((addr, size, h))
+                        }
                         Err(e) => {
                             failed = Some(e);
                             break;
@@ -961,8 +982,10 @@ impl DeviceAllocator {
         let mut segments: Vec<SegmentSnapshot> = st
             .segments
             .iter()
-            .filter(|s| s.live)
-            .map(|s| SegmentSnapshot {
+            .enumerate()
+            .filter(|(_, s)| s.live)
+            .map(|(i, s)| SegmentSnapshot {
+                mappings: st.mappings_of(SegIdx(i as u32)),
                 address: s.addr,
                 total_size: s.size,
                 stream: s.stream.raw,

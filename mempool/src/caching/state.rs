@@ -107,6 +107,8 @@ pub(crate) struct PoolSpec {
     /// With `expandable`: whether a block may span two physical allocations (not when NCCL
     /// older than 2.29.2 registers the pool: it registers one physical allocation per buffer).
     pub(crate) merge_runs: bool,
+    /// With `expandable`: told of every physical allocation mapped, asked before each unmap.
+    pub(crate) map_guard: Option<Arc<dyn crate::backend::MapGuard>>,
 }
 
 impl std::fmt::Debug for PoolSpec {

@@ -46,6 +46,10 @@ pub struct SegmentSnapshot {
     pub is_small: bool,
     /// Its blocks in address order; together they cover the segment exactly.
     pub blocks: Vec<BlockSnapshot>,
+    /// For a segment of an expandable pool: its physical allocations `(address, size)` in
+    /// address order, which cover it exactly (each registered with NCCL on its own). Empty for
+    /// an ordinary segment.
+    pub mappings: Vec<(u64, usize)>,
 }
 
 impl SegmentSnapshot {

@@ -86,7 +86,7 @@ impl Snapshot {
                 stream: s.stream.0,
                 segment_type: if s.is_small { "small" } else { "large" },
                 segment_pool_id: (0, s.pool.0),
-                is_expandable: false,
+                is_expandable: !s.mappings.is_empty(),
                 frames: Vec::new(),
                 blocks: s
                     .blocks
