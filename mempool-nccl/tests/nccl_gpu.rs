@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use cudarc::driver::CudaStream;
 use mempool::{with_pool, Allocator, BackendError, Buffer, MemPool, PoolOptions, RawAllocator, StreamId};
 use mempool_nccl::{
-    nccl_pool, nccl_pool_with, nccl_registers_spans, Bf16, Communicator, NcclMapGuard, NcclMemAllocator, NcclType, ReduceOp,
-    Registration,
+    nccl_pool, nccl_pool_with, nccl_registers_spans, Bf16, Communicator, NcclMapGuard, NcclMemAllocator, NcclType,
+    ReduceOp, Registration,
 };
 
 fn gpus() -> usize {

@@ -344,7 +344,8 @@ impl mempool::MapGuard for Guard {
 fn a_map_guard_sees_every_map_first_and_can_keep_memory_mapped() {
     let (sim, a) = expandable(1 << 30);
     let ledger = Arc::new(Ledger::default());
-    let p = MemPool::on(&a, PoolOptions::new().expandable(true).no_span(true).map_guard(Guard(ledger.clone()))).unwrap();
+    let p =
+        MemPool::on(&a, PoolOptions::new().expandable(true).no_span(true).map_guard(Guard(ledger.clone()))).unwrap();
     let (me, l2) = (a.id(), ledger.clone());
     let _h = trace::attach(move |e| {
         if e.allocator == me && e.action == Action::SegmentMap {

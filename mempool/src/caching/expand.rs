@@ -380,7 +380,17 @@ impl State {
                 self.emit_entry(Action::SegmentUnmap, id, a, size, stream.raw);
             }
             let guard = self.pools[slot.get()].spec.map_guard.clone();
-            self.outbox.push(Work::Unmap(Unmapping { res, addr: a, size, handle, slot, small, stream, _keep: keep, guard }));
+            self.outbox.push(Work::Unmap(Unmapping {
+                res,
+                addr: a,
+                size,
+                handle,
+                slot,
+                small,
+                stream,
+                _keep: keep,
+                guard,
+            }));
         }
     }
 

@@ -394,17 +394,20 @@ impl DeviceAllocator {
                 let res = match vetoed {
                     Some(e) => Err(e),
                     None => contain("the unmap", || {
-                    // SAFETY: `u` was taken out of its segment by `unmap_free_runs`: exactly one
-                    // `map` of this backend (address, size, handle), lying wholly in one free
-                    // block (no block handed out, every cross-stream event completed), unmapped
-                    // once (an `Unmapping` is moved); `u._keep` keeps its stream alive, and the
-                    // backend waits for that stream's work before unmapping.
-                    unsafe { be.unmap(u.addr, u.size, u.handle, u.stream.raw) }
+                        // SAFETY: `u` was taken out of its segment by `unmap_free_runs`: exactly one
+                        // `map` of this backend (address, size, handle), lying wholly in one free
+                        // block (no block handed out, every cross-stream event completed), unmapped
+                        // once (an `Unmapping` is moved); `u._keep` keeps its stream alive, and the
+                        // backend waits for that stream's work before unmapping.
+                        unsafe { be.unmap(u.addr, u.size, u.handle, u.stream.raw) }
                     })
                     .inspect_err(|_| {
                         // Still mapped: the guard, which let it go, is told it is back.
                         if let Some(g) = &u.guard {
-                            let _ = contain("MapGuard::mapped", || Ok(g.mapped(u.addr, u.size)));
+                            let _ = contain("MapGuard::mapped", || {
+                                g.mapped(u.addr, u.size);
+                                Ok(())
+                            });
                         }
                     }),
                 };
@@ -690,7 +693,10 @@ impl DeviceAllocator {
                             if let Some(g) = &guard {
                                 // Told before the lock is taken again, so before the hooks can
                                 // see the map and before any block of it is handed out.
-                                let _ = contain("MapGuard::mapped", || Ok(g.mapped(addr, size)));
+                                let _ = contain("MapGuard::mapped", || {
+                                    g.mapped(addr, size);
+                                    Ok(())
+                                });
                             }
                             mapped.push((addr, size, h))
                         }
