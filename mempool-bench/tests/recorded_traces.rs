@@ -55,3 +55,19 @@ fn every_recorded_trace_replays_on_the_sim_device() {
         assert_eq!(a.memory_stats().allocated_bytes.all.current, 0, "{}", path.display());
     }
 }
+
+/// `resnet_train.trace` (recorded from `mempool-torch/python/workloads.py capture resnet`, 30
+/// steps, PyTorch 2.11 on an H200) under PyTorch's allocator peaked at 1,606,418,432 bytes
+/// reserved. mempool's default pools, thread caches on, must not reserve more: a thread cache
+/// that held large blocks kept them from merging and reserved 2,747,269,120.
+#[test]
+fn thread_caches_do_not_fragment_the_resnet_trace_beyond_pytorch() {
+    let Some((_, text)) = recorded().into_iter().find(|(p, _)| p.ends_with("resnet_train.trace")) else { return };
+    let ops = parse_trace(&text).unwrap();
+    let sim = SimDevice::new(usize::MAX / 2);
+    let a = Allocator::sim(sim.clone());
+    assert!(a.config().thread_cache);
+    let play = Playback::new(&ops, sim.default_stream(), || Ok::<_, String>(sim.new_stream())).unwrap();
+    let rep = play.run(&a).unwrap();
+    assert!(rep.peak_reserved <= 1_606_418_432, "{rep:?}");
+}

@@ -536,9 +536,7 @@ impl State {
             // In expandable memory only small blocks: a large block held in a cache is not
             // there to merge with its neighbours, and the address space then fragments (the
             // transformer trace's third replay reserved 3.5% more with large blocks cached).
-            cacheable: b.pool == Slot::DEFAULT
-                && b.size < self.config.max_split_size
-                && (b.small || !self.config.expandable_segments),
+            cacheable: b.pool == Slot::DEFAULT && b.size < self.config.max_split_size && b.small,
         }
     }
 

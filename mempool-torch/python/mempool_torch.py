@@ -1,0 +1,121 @@
+"""mempool as PyTorch's CUDA allocator: one file, no build step beyond the library.
+
+    import mempool_torch
+    mempool_torch.use_mempool()     # before the first CUDA tensor: every tensor comes from mempool
+
+or, for one region only (PyTorch's caching allocator carves segments that mempool supplies):
+
+    pool = mempool_torch.pool()
+    with torch.cuda.use_mem_pool(pool):
+        x = torch.empty(1 << 20, device="cuda")
+
+The library is found at $MEMPOOL_TORCH_LIB, else next to this file, else in the workspace's
+target/release (`cargo build --release -p mempool-torch`). mempool reads MEMPOOL_ALLOC_CONF
+(expandable_segments:True, ...), as PyTorch reads PYTORCH_CUDA_ALLOC_CONF.
+
+PyTorch does not pass Tensor.record_stream through this interface: synchronize other streams
+that used a tensor before dropping it (see the crate docs of mempool-torch).
+"""
+
+import ctypes
+import json
+import os
+
+import torch
+
+_lib = None
+_allocator = None
+_raising = None
+
+
+def library_path():
+    """The path of libmempool_torch.so."""
+    env = os.environ.get("MEMPOOL_TORCH_LIB")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for p in (
+        os.path.join(here, "libmempool_torch.so"),
+        os.path.join(here, "..", "..", "target", "release", "libmempool_torch.so"),
+    ):
+        if os.path.exists(p):
+            return os.path.abspath(p)
+    raise FileNotFoundError(
+        "libmempool_torch.so not found: set MEMPOOL_TORCH_LIB, or run cargo build --release -p mempool-torch"
+    )
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL(library_path())
+        lib.mempool_empty_cache.restype = ctypes.c_int
+        lib.mempool_memory_stats_json.restype = ctypes.c_ssize_t
+        lib.mempool_memory_stats_json.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        lib.mempool_reset_peak_stats.restype = ctypes.c_int
+        lib.mempool_reset_peak_stats.argtypes = [ctypes.c_int]
+        lib.mempool_snapshot.restype = ctypes.c_int
+        lib.mempool_snapshot.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        _lib = lib
+    return _lib
+
+
+def allocator():
+    """The torch.cuda.memory.CUDAPluggableAllocator over mempool (made once)."""
+    global _allocator
+    if _allocator is None:
+        _load()
+        _allocator = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "mempool_malloc", "mempool_free")
+    return _allocator
+
+
+def use_mempool():
+    """Makes mempool PyTorch's CUDA allocator for the rest of the process. Call it before the first
+    CUDA tensor is made (PyTorch refuses to swap an allocator that has been used). Out of memory
+    raises RuntimeError("CUDA out of memory (mempool): ...") with mempool's report."""
+    global _raising
+    if _raising is None:
+        _load()
+        # PyTorch does not check a null from this path: this entry point raises instead.
+        _raising = torch.cuda.memory.CUDAPluggableAllocator(library_path(), "mempool_malloc_or_raise", "mempool_free")
+    torch.cuda.memory.change_current_allocator(_raising)
+
+
+def pool():
+    """A torch.cuda.MemPool whose segments come from mempool (use it with torch.cuda.use_mem_pool,
+    or register it with a process group's backend, as torch.distributed's register_mem_pool)."""
+    return torch.cuda.MemPool(allocator().allocator())
+
+
+def memory_stats(device=None):
+    """mempool's statistics of `device` (default: the current one) with torch.cuda.memory_stats()'s
+    keys: allocated_bytes.all.current, reserved_bytes.all.peak, num_alloc_retries, ..."""
+    lib = _load()
+    d = torch.cuda.current_device() if device is None else int(device)
+    n = lib.mempool_memory_stats_json(d, None, 0)
+    if n < 0:
+        raise RuntimeError(f"mempool: no statistics for device {d} (see stderr)")
+    buf = ctypes.create_string_buffer(n + 1)
+    lib.mempool_memory_stats_json(d, buf, n + 1)
+    return json.loads(buf.value.decode())
+
+
+def reset_peak_memory_stats(device=None):
+    """Resets mempool's peaks of `device` (default: the current one)."""
+    d = torch.cuda.current_device() if device is None else int(device)
+    if _load().mempool_reset_peak_stats(d) != 0:
+        raise RuntimeError(f"mempool: reset_peak_stats on device {d} failed (see stderr)")
+
+
+def snapshot(path, device=None):
+    """Writes mempool's snapshot of `device` to `path` as PyTorch's pickle (pytorch.org/memory_viz
+    reads it, as it reads torch.cuda.memory._dump_snapshot's)."""
+    d = torch.cuda.current_device() if device is None else int(device)
+    if _load().mempool_snapshot(d, os.fsencode(path)) != 0:
+        raise RuntimeError(f"mempool: snapshot of device {d} to {path} failed (see stderr)")
+
+
+def empty_cache():
+    """Gives mempool's wholly free cached segments back to the driver (torch.cuda.empty_cache())."""
+    if _load().mempool_empty_cache() != 0:
+        raise RuntimeError("mempool: empty_cache failed (see stderr)")
