@@ -99,7 +99,26 @@ impl CudaExt {
 /// found here is the very stream the key was made for. Entries of dead streams are pruned; a
 /// stream at a pruned address later gets a fresh key. (The handle cannot be the key: the
 /// driver gives a destroyed stream's handle to the next stream created.)
+///
+/// The last stream looked up on this thread is remembered with a `Weak` of its own (which pins
+/// the address just as the registry's does), so a thread that keeps using one stream finds its
+/// key without the registry's lock.
 fn cuda_stream_key(s: &Arc<CudaStream>) -> StreamKey {
+    thread_local! {
+        static LAST: std::cell::RefCell<Option<(usize, Weak<CudaStream>, StreamKey)>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    let addr = Arc::as_ptr(s) as usize;
+    let hit = LAST.try_with(|l| l.borrow().as_ref().filter(|x| x.0 == addr).map(|x| x.2)).ok().flatten();
+    if let Some(k) = hit {
+        return k;
+    }
+    let k = cuda_stream_key_shared(s);
+    let _ = LAST.try_with(|l| *l.borrow_mut() = Some((addr, Arc::downgrade(s), k)));
+    k
+}
+
+fn cuda_stream_key_shared(s: &Arc<CudaStream>) -> StreamKey {
     type Registry = HashMap<usize, (Weak<CudaStream>, StreamKey)>;
     static REGISTRY: OnceLock<Mutex<Registry>> = OnceLock::new();
     let mut m = REGISTRY.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
