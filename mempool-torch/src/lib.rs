@@ -148,8 +148,13 @@ pub unsafe extern "C" fn mempool_malloc(size: isize, device: c_int, stream: *mut
 /// As [`mempool_malloc`]; and the caller is C++ code that lets a C++ exception pass (PyTorch's
 /// allocator does).
 #[no_mangle]
-pub unsafe extern "C-unwind" fn mempool_malloc_or_raise(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
-    let r = guarded("mempool_malloc", Err("mempool_malloc panicked".to_string()), || malloc(size, device, stream as usize));
+pub unsafe extern "C-unwind" fn mempool_malloc_or_raise(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+) -> *mut c_void {
+    let r =
+        guarded("mempool_malloc", Err("mempool_malloc panicked".to_string()), || malloc(size, device, stream as usize));
     let msg = match r {
         Ok(p) => return p as *mut c_void,
         Err(m) => m,
@@ -161,8 +166,8 @@ pub unsafe extern "C-unwind" fn mempool_malloc_or_raise(size: isize, device: c_i
         eprintln!("mempool-torch: {msg}");
         return std::ptr::null_mut();
     };
-    let text = std::ffi::CString::new(format!("CUDA out of memory (mempool): {msg}").replace('\0', " "))
-        .unwrap_or_default();
+    let text =
+        std::ffi::CString::new(format!("CUDA out of memory (mempool): {msg}").replace('\0', " ")).unwrap_or_default();
     drop(msg);
     // SAFETY: `throw` is libc10's `c10::detail::torchCheckFail(const char*, const char*, uint32_t,
     // const char*)`, found by its mangled name in the loaded libc10; it copies its arguments into
@@ -269,7 +274,8 @@ pub unsafe extern "C" fn mempool_memory_stats_json(device: c_int, buf: *mut c_ch
 
 /// A flat JSON object of the statistics.
 pub fn stats_json(map: &std::collections::BTreeMap<String, i64>) -> String {
-    let body: Vec<String> = map.iter().map(|(k, v)| format!("\"{}\": {v}", k.replace('\\', "\\\\").replace('"', "\\\""))).collect();
+    let body: Vec<String> =
+        map.iter().map(|(k, v)| format!("\"{}\": {v}", k.replace('\\', "\\\\").replace('"', "\\\""))).collect();
     format!("{{{}}}", body.join(", "))
 }
 
