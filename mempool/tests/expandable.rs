@@ -403,3 +403,27 @@ fn a_failed_unmap_after_the_guard_let_go_tells_the_guard_it_is_back() {
     p.empty_cache().unwrap();
     assert!(ledger.live.lock().unwrap().is_empty() && sim.mapped().is_empty());
 }
+
+/// PyTorch's best-fit rule in expandable memory: the free block at the end of the mapped range
+/// counts as big as it can grow, so a bigger free block elsewhere is taken first and the end
+/// stays free to grow into (a ResNet trace reserved 1.94 GB without the rule, 1.44 GB with it,
+/// as PyTorch expandable).
+#[test]
+fn best_fit_keeps_the_growable_end_free() {
+    let (sim, a) = expandable(1 << 30);
+    let x = a.alloc::<u8>(8 * MIB).unwrap();
+    let y = a.alloc::<u8>(2 * MIB).unwrap();
+    let z = a.alloc::<u8>(4 * MIB).unwrap();
+    assert_eq!(z.device_ptr_raw(), SimDevice::VM_BASE + 10 * MIB as u64);
+    drop(x); // 8 MiB free at the start
+    drop(z); // 4 MiB free at the end, unmapped space after it
+    let w = a.alloc::<u8>(3 * MIB).unwrap();
+    assert_eq!(w.device_ptr_raw(), SimDevice::VM_BASE, "the end block was taken before a bigger one");
+    // A request only the end can serve, with growth, still gets it.
+    let v = a.alloc::<u8>(6 * MIB).unwrap();
+    assert_eq!(v.device_ptr_raw(), SimDevice::VM_BASE + 10 * MIB as u64);
+    assert_eq!(mapped_bytes(&sim), 16 * MIB, "the end grew by 2 MiB");
+    check_invariants(&a, Some(&sim));
+    drop((w, y, v));
+    check_invariants(&a, Some(&sim));
+}

@@ -336,6 +336,23 @@ impl State {
         self.pools[slot.get()].stats.on_range(added);
     }
 
+    /// For best fit, PyTorch's rule: a free block at the end of an expandable segment, with
+    /// unmapped address space after it, counts as big as it can grow (its size plus that run);
+    /// 0 for any other block (it counts as its size).
+    pub(super) fn unmapped_after(&self, b: BlockIdx) -> usize {
+        let blk = self.block(b);
+        if blk.next.is_some() {
+            return 0;
+        }
+        let s = self.seg(blk.seg);
+        let Some(res) = s.res else { return 0 };
+        let r = self.res(res);
+        if !r.merge {
+            return 0;
+        }
+        r.free.get(&(s.addr + s.size as u64)).copied().unwrap_or(0)
+    }
+
     /// The physical allocations `(address, size)` of segment `seg`, in address order (none for a
     /// segment that is not expandable).
     pub(crate) fn mappings_of(&self, seg: SegIdx) -> Vec<(u64, usize)> {

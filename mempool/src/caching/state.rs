@@ -432,11 +432,26 @@ impl State {
     #[inline(always)]
     pub(super) fn best_fit(&mut self, set: SetIdx, size: usize, no_split: bool) -> Option<BlockIdx> {
         let max_split = self.config.max_split_size;
-        let k = self.sets[set.0 as usize].take_best_fit(size, |block| {
+        let accept = |block: usize| {
             let whole_only = no_split || size >= max_split;
             !((size < max_split && block >= max_split) || (whole_only && block >= size + rules::LARGE_BUFFER))
-        })?;
-        Some(BlockIdx::from_key(key_idx(k)))
+        };
+        let k = self.sets[set.0 as usize].take_best_fit(size, accept)?;
+        let first = BlockIdx::from_key(key_idx(k));
+        // Expandable memory (PyTorch's rule): the free block at the end of a segment, with
+        // unmapped space after it, counts as big as it can grow, so the next bigger block is
+        // taken instead when that is smaller, and the end stays free to grow into.
+        let grow = self.unmapped_after(first);
+        if grow == 0 {
+            return Some(first);
+        }
+        let Some(k2) = self.sets[set.0 as usize].take_best_fit(size, accept) else { return Some(first) };
+        let second = BlockIdx::from_key(key_idx(k2));
+        let first_can = self.block(first).size.saturating_add(grow);
+        let second_can = self.block(second).size.saturating_add(self.unmapped_after(second));
+        let (keep, back) = if second_can < first_can { (second, first) } else { (first, second) };
+        self.insert_free(back);
+        Some(keep)
     }
 
     #[inline(always)]
