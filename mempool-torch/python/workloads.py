@@ -238,6 +238,20 @@ def compare(steps, workloads, allocs, rounds):
                   f"{rs[0]['peak_reserved'] / 2**20:>17.1f} {rs[0]['peak_allocated'] / 2**20:>14.1f} {str(same):>23}")
 
 
+def micro(alloc, n=200_000):
+    """Allocation + free pairs through PyTorch (torch.empty, then the tensor dropped), sizes
+    cycling 512 B, 4 KiB, 64 KiB, 1 MiB: what the allocator interface costs per tensor."""
+    torch = setup(alloc)
+    sizes = [512, 4096, 65536, 1 << 20]
+    for _ in range(2):
+        t = time.perf_counter()
+        for i in range(n):
+            x = torch.empty(sizes[i & 3], dtype=torch.uint8, device="cuda")
+            del x
+        ns = (time.perf_counter() - t) / n * 1e9
+    print(f"micro {alloc}: {ns:.0f} ns per torch.empty + del")
+
+
 def capture(workload, path, steps):
     """Records `workload`'s allocations under PyTorch's allocator as a mempool-bench trace
     ("a <id> <bytes> <stream>" / "f <id>"), so `mempool-bench replay` can replay it anywhere."""
@@ -246,21 +260,26 @@ def capture(workload, path, steps):
     WORKLOADS[workload](torch, steps)
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
-    ids, nid, lines = {}, 0, []
+    ids, nid, lines, addrs = {}, 0, [], []
     for e in snap["device_traces"][0]:
         if e["action"] == "alloc":
             ids[e["addr"]] = nid
             lines.append(f"a {nid} {e['size']} {e['stream']}")
+            addrs.append(f"{nid} {e['addr']}")
             nid += 1
         elif e["action"] == "free_completed" and e["addr"] in ids:
             lines.append(f"f {ids.pop(e['addr'])}")
     open(path, "w").write("\n".join(lines) + "\n")
+    # Where each allocation landed (id, address): to compare placement rules event by event.
+    open(path + ".addr", "w").write("\n".join(addrs) + "\n")
     print(f"{workload}: events={len(lines)} peak_reserved={torch.cuda.max_memory_reserved()} "
           f"peak_allocated={torch.cuda.max_memory_allocated()}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) >= 4 and sys.argv[1] == "capture":
+    if len(sys.argv) >= 3 and sys.argv[1] == "micro":
+        micro(sys.argv[2])
+    elif len(sys.argv) >= 4 and sys.argv[1] == "capture":
         capture(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 20)
     elif len(sys.argv) >= 4 and sys.argv[1] == "run":
         run(sys.argv[2], sys.argv[3], int(sys.argv[4]) if len(sys.argv) > 4 else 200)
