@@ -212,9 +212,11 @@ pub fn nccl_pool(device: usize) -> Result<MemPool> {
 /// With [`PoolOptions::expandable`]: no `ncclMemAlloc`; the pool maps the device's memory on
 /// demand into reserved address ranges (with the handle types and access NCCL's registration
 /// needs, as `ncclMemAlloc` does), guarded by [`NcclMapGuard`], so a communicator registers each
-/// physical allocation as it is mapped. NCCL before 2.29.2 registers one physical allocation per
-/// buffer, so there the pool is also made [`no_span`](PoolOptions::no_span): every buffer lies in
-/// one physical allocation and every collective on it is zero-copy.
+/// physical allocation as it is mapped. The pool is also made [`no_span`](PoolOptions::no_span):
+/// every buffer lies in one physical allocation, the unit NCCL before 2.29.2 registers, so every
+/// collective on it can be zero-copy. (NCCL 2.29.2 and later can register a buffer across
+/// physical allocations, [`nccl_registers_spans`]; registering mapped runs for it is not done yet,
+/// so spanning stays off there too.)
 ///
 /// ```no_run
 /// use mempool::PoolOptions;
@@ -223,9 +225,8 @@ pub fn nccl_pool(device: usize) -> Result<MemPool> {
 /// ```
 pub fn nccl_pool_with(device: usize, options: PoolOptions) -> Result<MemPool> {
     if options.is_expandable() {
-        let spans = nccl_registers_spans()?;
-        let options = if spans { options } else { options.no_span(true) };
-        return Ok(MemPool::on(&Allocator::cuda(device)?, options.map_guard(NcclMapGuard))?);
+        check_nccl()?;
+        return Ok(MemPool::on(&Allocator::cuda(device)?, options.no_span(true).map_guard(NcclMapGuard))?);
     }
     let a = NcclMemAllocator::new(device)?;
     Ok(MemPool::on(&Allocator::cuda(device)?, options.allocator(a))?)

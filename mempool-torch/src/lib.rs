@@ -45,6 +45,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::io::Write;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -163,7 +164,8 @@ pub unsafe extern "C-unwind" fn mempool_malloc_or_raise(
     // owns nothing but `msg`, whose C copy the thrower gets. The report goes out once: in the
     // exception, or on stderr without one.
     let Some(throw) = torch_check_fail() else {
-        eprintln!("mempool-torch: {msg}");
+        // Not `eprintln!`, which panics when stderr is gone: this frame is outside `guarded`.
+        let _ = writeln!(std::io::stderr(), "mempool-torch: {msg}");
         return std::ptr::null_mut();
     };
     let text =
