@@ -270,8 +270,16 @@ unsafe impl Backend for CudaBackend {
         let mut r = unsafe { sys::cuMemCreate(&mut h, size, &alloc_prop(ordinal, fd, vm.rdma), 0) };
         if fd && matches!(r, CUresult::CUDA_ERROR_NOT_PERMITTED | CUresult::CUDA_ERROR_NOT_SUPPORTED) {
             // Exportable handles refused here (a container without the permission): plain
-            // allocations from now on.
-            vm.posix_fd.store(false, Ordering::Relaxed);
+            // allocations from now on, said once.
+            if vm.posix_fd.swap(false, Ordering::Relaxed) {
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "mempool: device {ordinal} refused exportable (POSIX file descriptor) handles for cuMemCreate \
+                     ({r:?}); expandable memory falls back to plain handles: other processes cannot map it, and \
+                     NCCL cannot register it for zero-copy peer-to-peer transfers between processes"
+                );
+            }
             // SAFETY: as above.
             r = unsafe { sys::cuMemCreate(&mut h, size, &alloc_prop(ordinal, false, vm.rdma), 0) };
         }
