@@ -92,12 +92,15 @@ def memory_stats(device=None):
     keys: allocated_bytes.all.current, reserved_bytes.all.peak, num_alloc_retries, ..."""
     lib = _load()
     d = torch.cuda.current_device() if device is None else int(device)
-    n = lib.mempool_memory_stats_json(d, None, 0)
-    if n < 0:
-        raise RuntimeError(f"mempool: no statistics for device {d} (see stderr)")
-    buf = ctypes.create_string_buffer(n + 1)
-    lib.mempool_memory_stats_json(d, buf, n + 1)
-    return json.loads(buf.value.decode())
+    size = 4096
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = lib.mempool_memory_stats_json(d, buf, size)
+        if n < 0:
+            raise RuntimeError(f"mempool: no statistics for device {d} (see stderr)")
+        if n < size:
+            return json.loads(buf.value.decode())
+        size = n + 256  # the numbers grew meanwhile, or the first guess was short: again
 
 
 def reset_peak_memory_stats(device=None):
