@@ -177,3 +177,30 @@ fn reservation_made_while_another_thread_frees_is_leaked() {
     eprintln!("after dropping the allocator: reservations {:?}", sim.reservations());
     assert!(leaked.is_empty() && sim.reservations().is_empty(), "reservation leaked");
 }
+
+/// A guard that refuses every unmap: pool release and the allocator's drop neither hang nor
+/// crash; the memory stays mapped (the guard's promise) until the device goes.
+#[test]
+fn a_guard_that_refuses_every_unmap_does_not_hang_release_or_drop() {
+    struct Never;
+    impl mempool::MapGuard for Never {
+        fn mapped(&self, _: u64, _: usize) {}
+        fn unmapping(&self, a: u64, _: usize) -> Result<(), String> {
+            Err(format!("{a:#x} held forever"))
+        }
+    }
+    let sim = mempool::sim::SimDevice::new(1 << 30);
+    let cfg = mempool::Config::builder().expandable_segments(true).build().unwrap();
+    let a = mempool::Allocator::sim_with(sim.clone(), cfg);
+    let p = mempool::MemPool::on(&a, mempool::PoolOptions::new().expandable(true).map_guard(Never)).unwrap();
+    let x = p.alloc::<u8>(3 << 20).unwrap();
+    drop(x);
+    assert!(p.empty_cache().is_err());
+    assert!(p.empty_cache().is_err(), "refused again, not lost");
+    drop(p);
+    let _ = a.empty_cache();
+    assert!(!sim.mapped().is_empty(), "a refused unmap keeps the memory mapped");
+    let y = a.alloc::<u8>(1 << 20).unwrap();
+    drop(y);
+    drop(a);
+}
