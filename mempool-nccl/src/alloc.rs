@@ -226,6 +226,13 @@ pub fn nccl_pool(device: usize) -> Result<MemPool> {
 pub fn nccl_pool_with(device: usize, options: PoolOptions) -> Result<MemPool> {
     if options.is_expandable() {
         check_nccl()?;
+        if options.has_map_guard() {
+            return Err(Error::Mempool(mempool::Error::Config(
+                "nccl_pool_with: an expandable NCCL pool's map guard is NcclMapGuard; it cannot take another \
+                 (make the pool with MemPool::on and a guard that does both)"
+                    .into(),
+            )));
+        }
         return Ok(MemPool::on(&Allocator::cuda(device)?, options.no_span(true).map_guard(NcclMapGuard))?);
     }
     let a = NcclMemAllocator::new(device)?;

@@ -127,6 +127,11 @@ impl PoolOptions {
         self
     }
 
+    /// Whether a [`map_guard`](Self::map_guard) is set.
+    pub fn has_map_guard(&self) -> bool {
+        self.map_guard.is_some()
+    }
+
     /// Whether [`expandable`](Self::expandable) was asked for.
     pub fn is_expandable(&self) -> bool {
         self.expandable

@@ -538,7 +538,10 @@ impl State {
 
     /// An unmap is done (`Ok`), or failed: the memory is still mapped, and comes back as a
     /// segment of its own (announced to the hooks again: they saw it go).
-    pub(super) fn unmapped(&mut self, u: Unmapping, result: Result<(), String>) {
+    ///
+    /// A refusal of the pool's `MapGuard` (`veto`) is the guard's normal answer, not a device
+    /// failure: it is kept for the `empty_cache` that asks next, never handed to an allocation.
+    pub(super) fn unmapped(&mut self, u: Unmapping, result: Result<(), String>, veto: bool) {
         self.releasing -= u.size;
         let r = self.res_mut(u.res);
         r.busy -= 1;
@@ -550,10 +553,12 @@ impl State {
             Err(m) => {
                 r.runs.insert(u.addr, (u.size, u.handle));
                 let key = r.key;
-                self.error.get_or_insert(Error::Backend {
-                    op: "unmap",
-                    message: format!("{m} ({} bytes at {:#x})", u.size, u.addr),
-                });
+                let e = Error::Backend { op: "unmap", message: format!("{m} ({} bytes at {:#x})", u.size, u.addr) };
+                if veto {
+                    self.vetoed.get_or_insert(e);
+                } else {
+                    self.error.get_or_insert(e);
+                }
                 self.stats.on_map_restored(u.small, u.size);
                 self.pools[u.slot.get()].stats.on_map_restored(u.size);
                 if crate::trace::enabled() {

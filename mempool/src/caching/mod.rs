@@ -385,12 +385,22 @@ impl DeviceAllocator {
                 // `Drop` is user code, or destroys a stream).
                 drop(leftover);
             }
-            Work::Drop(x) => drop(x),
-            Work::Unmap(u) => {
+            Work::Drop(x) => {
+                // User code (a pool allocator's or a map guard's `Drop`): a panic is contained.
+                let _ = contain("a pool's allocator or map guard being dropped", || {
+                    drop(x);
+                    Ok(())
+                });
+            }
+            Work::Unmap(mut u) => {
                 let be = &*self.backend;
-                let vetoed = u.guard.as_ref().and_then(|g| {
+                // The guard is let go of after the lock (its `Drop` is user code, and this may be
+                // the last handle of a released pool's guard).
+                let guard = u.guard.take();
+                let vetoed = guard.as_ref().and_then(|g| {
                     contain("MapGuard::unmapping", || g.unmapping(u.addr, u.size).map_err(BackendError::Failed)).err()
                 });
+                let veto = vetoed.is_some();
                 let res = match vetoed {
                     Some(e) => Err(e),
                     None => contain("the unmap", || {
@@ -403,7 +413,7 @@ impl DeviceAllocator {
                     })
                     .inspect_err(|_| {
                         // Still mapped: the guard, which let it go, is told it is back.
-                        if let Some(g) = &u.guard {
+                        if let Some(g) = &guard {
                             let _ = contain("MapGuard::mapped", || {
                                 g.mapped(u.addr, u.size);
                                 Ok(())
@@ -412,7 +422,14 @@ impl DeviceAllocator {
                     }),
                 };
                 let mut st = self.lock();
-                st.unmapped(u, res.map_err(|e| e.to_string()));
+                st.unmapped(u, res.map_err(|e| e.to_string()), veto);
+                drop(st);
+                if let Some(g) = guard {
+                    let _ = contain("a map guard being dropped", || {
+                        drop(g);
+                        Ok(())
+                    });
+                }
             }
             Work::Unreserve(u) => {
                 let be = &*self.backend;
@@ -880,7 +897,8 @@ impl DeviceAllocator {
         st.synchronize_events(&*self.backend);
         st.release_cached(|p| p.spec.id == PoolId::DEFAULT || p.released);
         self.unlock(st, true);
-        self.lock().error.take().map_or(Ok(()), Err)
+        let mut st = self.lock();
+        st.error.take().or_else(|| st.vetoed.take()).map_or(Ok(()), Err)
     }
 
     /// Gives back the wholly free segments of one pool.
@@ -893,7 +911,8 @@ impl DeviceAllocator {
             st.release_cached(|p| p.spec.id == pool.id);
         }
         self.unlock(st, true);
-        self.lock().error.take().map_or(Ok(()), Err)
+        let mut st = self.lock();
+        st.error.take().or_else(|| st.vetoed.take()).map_or(Ok(()), Err)
     }
 
     /// The statistics; every thread's cached blocks are filed first, so that the figures are

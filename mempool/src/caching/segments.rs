@@ -221,6 +221,9 @@ impl State {
             if let Some(raw) = p.spec.raw.take() {
                 self.outbox.push(Work::Drop(Box::new(raw)));
             }
+            if let Some(guard) = p.spec.map_guard.take() {
+                self.outbox.push(Work::Drop(Box::new(guard)));
+            }
             // Sets it made but never filled (a request that found no memory).
             let empty: Vec<_> = self.set_index.iter().filter(|(k, _)| k.0 == slot).map(|(_, i)| *i).collect();
             for set in empty {

@@ -273,6 +273,9 @@ pub(super) struct State {
     pub(super) sink: super::tcache::Sink,
     pub(super) tick: u64,
     pub(super) error: Option<Error>,
+    /// A map guard's refusal to let memory be unmapped: reported by the next `empty_cache`,
+    /// never to an allocation (`error` is).
+    pub(super) vetoed: Option<Error>,
     /// Events and segment frees for outside the lock (see `DeviceAllocator::flush`).
     pub(super) outbox: Vec<Work>,
     /// Outbox items taken by runners so far (the sequence number of the next one to run).
@@ -326,6 +329,7 @@ impl State {
             sink: super::tcache::Sink::new(board),
             tick: 0,
             error: None,
+            vetoed: None,
             outbox: Vec::new(),
             taken: 0,
             growing: 0,
