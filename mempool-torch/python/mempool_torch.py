@@ -28,11 +28,22 @@ _allocator = None
 _raising = None
 
 
+_path = None
+
+
 def library_path():
-    """The path of libmempool_torch.so."""
+    """The absolute path of libmempool_torch.so, worked out once (one copy of the library per
+    process: the allocator and the statistics must be the same one's)."""
+    global _path
+    if _path is None:
+        _path = _find_library()
+    return _path
+
+
+def _find_library():
     env = os.environ.get("MEMPOOL_TORCH_LIB")
     if env:
-        return env
+        return os.path.abspath(env)
     here = os.path.dirname(os.path.abspath(__file__))
     for p in (
         os.path.join(here, "libmempool_torch.so"),
@@ -56,6 +67,8 @@ def _load():
         lib.mempool_reset_peak_stats.argtypes = [ctypes.c_int]
         lib.mempool_snapshot.restype = ctypes.c_int
         lib.mempool_snapshot.argtypes = [ctypes.c_int, ctypes.c_char_p]
+        lib.mempool_forget_stream.restype = None
+        lib.mempool_forget_stream.argtypes = [ctypes.c_int, ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -87,11 +100,22 @@ def pool():
     return torch.cuda.MemPool(allocator().allocator())
 
 
+def _device(device):
+    """A device index from None (the current device), an int, "cuda:1" or torch.device."""
+    return torch.cuda._utils._get_device_index(device, optional=True)
+
+
+def forget_stream(stream):
+    """Before destroying a stream of your own (torch.cuda.Stream()): synchronize it, then call
+    this, so a new stream that the driver gives the same handle gets blocks of its own."""
+    _load().mempool_forget_stream(stream.device.index, ctypes.c_void_p(stream.cuda_stream))
+
+
 def memory_stats(device=None):
     """mempool's statistics of `device` (default: the current one) with torch.cuda.memory_stats()'s
     keys: allocated_bytes.all.current, reserved_bytes.all.peak, num_alloc_retries, ..."""
     lib = _load()
-    d = torch.cuda.current_device() if device is None else int(device)
+    d = _device(device)
     size = 4096
     while True:
         buf = ctypes.create_string_buffer(size)
@@ -105,7 +129,7 @@ def memory_stats(device=None):
 
 def reset_peak_memory_stats(device=None):
     """Resets mempool's peaks of `device` (default: the current one)."""
-    d = torch.cuda.current_device() if device is None else int(device)
+    d = _device(device)
     if _load().mempool_reset_peak_stats(d) != 0:
         raise RuntimeError(f"mempool: reset_peak_stats on device {d} failed (see stderr)")
 
@@ -113,7 +137,7 @@ def reset_peak_memory_stats(device=None):
 def snapshot(path, device=None):
     """Writes mempool's snapshot of `device` to `path` as PyTorch's pickle (pytorch.org/memory_viz
     reads it, as it reads torch.cuda.memory._dump_snapshot's)."""
-    d = torch.cuda.current_device() if device is None else int(device)
+    d = _device(device)
     if _load().mempool_snapshot(d, os.fsencode(path)) != 0:
         raise RuntimeError(f"mempool: snapshot of device {d} to {path} failed (see stderr)")
 

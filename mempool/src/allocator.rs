@@ -117,6 +117,12 @@ impl Allocator<Cuda> {
         Ok(slot.get_or_init(|| a).clone())
     }
 
+    /// The allocator of CUDA device `ordinal` if it exists already (never creates one, nor a
+    /// context: what FFI callers that only look, or free, want).
+    pub fn cuda_if_created(ordinal: usize) -> Option<Allocator<Cuda>> {
+        cuda_slots().ok()?.get(ordinal)?.0.get().cloned()
+    }
+
     /// The allocators created so far, in device order.
     pub(crate) fn created() -> Vec<Allocator<Cuda>> {
         match cuda_slots() {
@@ -197,7 +203,9 @@ impl<K: Kind> Allocator<K> {
     fn on_error(&self, e: Error) -> Error {
         if let (Error::OutOfMemory(_), Some(path)) = (&e, &env_settings().snapshot_on_oom) {
             if let Err(w) = self.snapshot().write_pickle(path) {
-                eprintln!("mempool: MEMPOOL_SNAPSHOT_ON_OOM: {w}");
+                // Not `eprintln!`: it panics when stderr is gone, and this runs inside FFI callers.
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "mempool: MEMPOOL_SNAPSHOT_ON_OOM: {w}");
             }
         }
         e

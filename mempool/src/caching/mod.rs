@@ -1082,7 +1082,11 @@ impl Drop for DeviceAllocator {
             }
             if attempt == 1 {
                 let why = st.error.take().map_or_else(String::new, |e| format!(": {e}"));
-                eprintln!("mempool: {left} segment(s) could not be given back when the allocator was dropped{why}");
+                use std::io::Write;
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "mempool: {left} segment(s) could not be given back when the allocator was dropped{why}"
+                );
                 break;
             }
             st.error = None;
