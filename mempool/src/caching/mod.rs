@@ -171,6 +171,15 @@ impl std::fmt::Debug for DeviceAllocator {
     }
 }
 
+/// Drops `x`, whose `Drop` is user code (a pool's allocator or map guard), outside every lock;
+/// a panic in it is contained.
+fn drop_user_code<T>(x: T) {
+    let _ = contain("a pool's allocator or map guard being dropped", || {
+        drop(x);
+        Ok(())
+    });
+}
+
 impl DeviceAllocator {
     pub(crate) fn new(backend: Arc<dyn Backend>, config: Config, id: AllocatorId) -> DeviceAllocator {
         let limit = limit_for(&*backend, config.memory_fraction);
@@ -385,13 +394,7 @@ impl DeviceAllocator {
                 // `Drop` is user code, or destroys a stream).
                 drop(leftover);
             }
-            Work::Drop(x) => {
-                // User code (a pool allocator's or a map guard's `Drop`): a panic is contained.
-                let _ = contain("a pool's allocator or map guard being dropped", || {
-                    drop(x);
-                    Ok(())
-                });
-            }
+            Work::Drop(x) => drop_user_code(x),
             Work::Unmap(mut u) => {
                 let be = &*self.backend;
                 // The guard is let go of after the lock (its `Drop` is user code, and this may be
@@ -424,12 +427,7 @@ impl DeviceAllocator {
                 let mut st = self.lock();
                 st.unmapped(u, res.map_err(|e| e.to_string()), veto);
                 drop(st);
-                if let Some(g) = guard {
-                    let _ = contain("a map guard being dropped", || {
-                        drop(g);
-                        Ok(())
-                    });
-                }
+                drop_user_code(guard);
             }
             Work::Unreserve(u) => {
                 let be = &*self.backend;
@@ -723,6 +721,9 @@ impl DeviceAllocator {
                         }
                     }
                 }
+                // Let go of before the lock: the pool may have been released meanwhile, and
+                // this may be the guard's last handle.
+                drop_user_code(guard);
                 let mut st = self.lock();
                 st.growing -= plan.size;
                 let grown = st.finish_map(&plan, &mapped);
