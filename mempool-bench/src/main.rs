@@ -53,6 +53,15 @@ fn timed() -> usize {
     std::env::var("MEMPOOL_BENCH_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000)
 }
 
+/// The `pair` sizes: the anchors' five, or the comma-separated list in `MEMPOOL_BENCH_SIZES`
+/// (for profiling one size at a time).
+fn pair_sizes() -> Vec<usize> {
+    match std::env::var("MEMPOOL_BENCH_SIZES") {
+        Ok(v) => v.split(',').filter_map(|s| s.trim().parse().ok()).collect(),
+        Err(_) => PAIR_SIZES.to_vec(),
+    }
+}
+
 struct Rng(u64);
 
 impl Rng {
@@ -121,7 +130,7 @@ fn mixed_raw<K: Kind>(a: &Allocator<K>, live: usize) -> f64 {
 /// Runs the rows whose kind (`pair`, `mixed`, `pair-raw`, `mixed-raw`) is in `only` (all if empty).
 fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
     let want = |k: &str| only.is_empty() || only.iter().any(|o| o == k);
-    for s in PAIR_SIZES.into_iter().filter(|_| want("pair")) {
+    for s in pair_sizes().into_iter().filter(|_| want("pair")) {
         out!("pair {s} {:.1}", pair(a, s));
     }
     for l in MIXED_LIVE.into_iter().filter(|_| want("mixed")) {
@@ -130,7 +139,7 @@ fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
         out!("mixed {l} {ns:.1}");
         eprintln!("mixed {l}: {} segment allocations", a.memory_stats().num_device_alloc - before);
     }
-    for s in PAIR_SIZES.into_iter().filter(|_| want("pair-raw")) {
+    for s in pair_sizes().into_iter().filter(|_| want("pair-raw")) {
         out!("pair-raw {s} {:.1}", pair_raw(a, s));
     }
     for l in MIXED_LIVE.into_iter().filter(|_| want("mixed-raw")) {

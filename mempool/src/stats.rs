@@ -315,6 +315,9 @@ const fn is_bytes(s: usize) -> bool {
 /// threads that exited), so that a new peak is checked against the true sum.
 #[derive(Debug)]
 pub(crate) struct Board {
+    /// Not a statistic, but shared the same way (the allocator's state and its thread caches):
+    /// a generation per free set, bumped under the lock at each change of the set.
+    pub(crate) gens: SetGens,
     g: [AtomicI64; M],
     peak: [AtomicI64; N],
     members: Mutex<Vec<Arc<ThreadStats>>>,
@@ -325,11 +328,43 @@ pub(crate) struct Board {
 impl Default for Board {
     fn default() -> Board {
         Board {
+            gens: SetGens::default(),
             g: std::array::from_fn(|_| AtomicI64::new(0)),
             peak: std::array::from_fn(|_| AtomicI64::new(0)),
             members: Mutex::new(Vec::new()),
             retired: Arc::new(ThreadStats::default()),
         }
+    }
+}
+
+/// Free sets sharing one generation counter (by set index modulo this).
+const GENS: usize = 64;
+
+/// A generation per free set, changed (under the allocator's lock) whenever a block enters or
+/// leaves the set; sets that share a counter only bump it more often. A thread that cached a
+/// block compares the generation of its set when it reuses it with the one right after it was
+/// handed out: equal, the set is as it was, so freeing the block and best fit again would hand
+/// out the same block at the same address (see `tcache`, the large bin).
+#[derive(Debug)]
+pub(crate) struct SetGens([AtomicU64; GENS]);
+
+impl Default for SetGens {
+    fn default() -> SetGens {
+        SetGens(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
+}
+
+impl SetGens {
+    /// Under the allocator's lock (the only writer).
+    #[inline(always)]
+    pub(crate) fn bump(&self, set: u32) {
+        let g = &self.0[set as usize % GENS];
+        g.store(g.load(Ordering::Relaxed).wrapping_add(1), Ordering::Release);
+    }
+
+    #[inline(always)]
+    pub(crate) fn get(&self, set: u32) -> u64 {
+        self.0[set as usize % GENS].load(Ordering::Acquire)
     }
 }
 

@@ -276,3 +276,83 @@ fn peak_of_all_counts_one_kind_rising_back_after_the_others_peak() {
         );
     }
 }
+
+/// Large blocks (above 1 MiB): the cache keeps the last one a thread freed and gives it back
+/// to that thread's next request of the same size, but only where best fit would have put it:
+/// over a random sequence of large allocations and frees on one thread, every address and the
+/// peaks are those of `thread_cache:False` (PyTorch's placement).
+#[test]
+fn large_blocks_are_reused_only_where_best_fit_would_put_them() {
+    let run = |cache: bool, expandable: bool| {
+        let sim = SimDevice::new(64 << 30);
+        let config = Config::builder().thread_cache(cache).expandable_segments(expandable).build().unwrap();
+        let a = Allocator::sim_with(sim.clone(), config);
+        let mut x = 7u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let sizes = [2 * MIB, 3 * MIB, 8 * MIB, 8 * MIB + 4096, 12 * MIB, 24 * MIB, 64 * MIB];
+        let mut live: Vec<Option<mempool::Buffer<u8, Sim>>> = (0..12).map(|_| None).collect();
+        let mut addrs = Vec::new();
+        for step in 0..6_000 {
+            let k = (next() % live.len() as u64) as usize;
+            live[k] = None;
+            // Often the same size right after a free (what the cache serves), else any.
+            let size =
+                if step % 3 == 0 { sizes[k % sizes.len()] } else { sizes[(next() % sizes.len() as u64) as usize] };
+            let b = a.alloc::<u8>(size).unwrap();
+            addrs.push(b.device_ptr_raw());
+            live[k] = Some(b);
+        }
+        let s = a.memory_stats();
+        check_invariants(&a, Some(&sim));
+        drop(live);
+        check_invariants(&a, Some(&sim));
+        (addrs, s.allocated_bytes.all.peak, s.reserved_bytes.all.peak, s.num_device_alloc)
+    };
+    for expandable in [false, true] {
+        let with = run(true, expandable);
+        let without = run(false, expandable);
+        let first_diff = with.0.iter().zip(&without.0).position(|(a, b)| a != b);
+        assert_eq!(first_diff, None, "expandable:{expandable}: the first placement that differs");
+        assert_eq!((with.1, with.2, with.3), (without.1, without.2, without.3), "expandable:{expandable}: peaks");
+    }
+}
+
+/// The cached large block is served again to its thread (same address, no new segment), is
+/// counted as free while cached, and goes back to its free set before another thread makes a
+/// segment.
+#[test]
+fn a_large_block_is_reused_and_given_up_before_a_segment_is_made() {
+    let (sim, a) = setup(1 << 30);
+    let x = a.alloc::<u8>(64 * MIB).unwrap();
+    let xa = x.device_ptr_raw();
+    drop(x);
+    let s = a.memory_stats();
+    assert_eq!((s.allocated_bytes.all.current, s.allocation.large_pool.current), (0, 0), "cached counts as free");
+    let y = a.alloc::<u8>(64 * MIB).unwrap();
+    assert_eq!(y.device_ptr_raw(), xa, "the cached block again");
+    assert_eq!(a.memory_stats().allocation.all.allocated, 2, "a reuse is an allocation");
+    drop(y);
+    // Another thread asks for 40 MiB: the cached 64 MiB segment is filed for it first, so it
+    // is split instead of a new segment made.
+    let a2 = a.clone();
+    let z = std::thread::spawn(move || {
+        let z = a2.alloc::<u8>(40 * MIB).unwrap();
+        let p = z.device_ptr_raw();
+        drop(z);
+        p
+    })
+    .join()
+    .unwrap();
+    assert_eq!(z, xa, "best fit in the segment the other thread had cached");
+    let s = a.memory_stats();
+    assert_eq!(s.num_device_alloc, 1, "no second segment");
+    check_invariants(&a, Some(&sim));
+    a.empty_cache().unwrap();
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 0, "empty_cache took the cached block");
+    check_invariants(&a, Some(&sim));
+}

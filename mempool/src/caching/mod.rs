@@ -99,6 +99,9 @@ pub(crate) struct Allocation {
     pub(crate) split: bool,
     /// A thread cache may take it when it is freed (default pools, not oversize).
     pub(crate) cacheable: bool,
+    /// Its free set, and that set's generation right after it was handed out.
+    pub(crate) set: u32,
+    pub(crate) gen: u64,
 }
 
 /// What mapping more memory for a request came to.
@@ -234,12 +237,26 @@ impl DeviceAllocator {
 
     #[inline(always)]
     fn lock(&self) -> Locked<'_> {
+        self.lock_taking_large(false).0
+    }
+
+    /// Locks; `take_large`: also takes this thread's cached large block out of its cache (for
+    /// the caller to file under this lock), found with the thread's counters.
+    #[inline(always)]
+    fn lock_taking_large(&self, take_large: bool) -> (Locked<'_>, Option<tcache::Cached>) {
         // Nothing panics while the lock is held (user code runs outside it); if something did,
         // the state is still the best there is, and `Drop` paths must not panic on a poisoned lock.
         let closing = self.closing.load(Ordering::Relaxed);
         // This thread's counters, found before the lock is taken (a thread's first call makes
         // its cache, which takes the registry's locks).
-        let mine = if closing { None } else { self.caches.mine_stats(self.id) };
+        let (mine, large) = if closing {
+            (None, None)
+        } else {
+            match self.caches.mine_stats(self.id, take_large) {
+                Some((to, slack, large)) => (Some((to, slack)), large),
+                None => (None, None),
+            }
+        };
         let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut retired = None;
         match mine {
@@ -257,7 +274,7 @@ impl DeviceAllocator {
             // The allocator is being dropped: no statistics are kept.
             None => g.sink.clear(),
         }
-        Locked { guard: Some(g), retired, owner: self }
+        (Locked { guard: Some(g), retired, owner: self }, large)
     }
 
     /// Takes every block out of every thread cache and files it in its free set.
@@ -267,11 +284,12 @@ impl DeviceAllocator {
         self.free_cached(blocks);
     }
 
-    /// Files the blocks of this thread's cache and of exited threads' caches.
+    /// Files the blocks of this thread's cache, of exited threads' caches, and every thread's
+    /// cached large block (before a segment is made).
     fn drain_own(&self) {
         let mut blocks = Vec::new();
         self.caches.with_mine(self.id, |o| o.drain_own(&mut blocks));
-        self.caches.drain_orphans(&mut blocks);
+        self.caches.drain_orphans_and_large(&mut blocks);
         self.free_cached(blocks);
     }
 
@@ -476,6 +494,8 @@ impl DeviceAllocator {
             small: h.small,
             split: h.split,
             cacheable: true,
+            set: h.set,
+            gen: h.gen,
         })
     }
 
@@ -489,7 +509,11 @@ impl DeviceAllocator {
     }
 
     fn malloc_locked(&self, req: &Request<'_>) -> Result<Allocation> {
-        let mut st = self.lock();
+        // This thread's cached large block goes back first: best fit sees it where it would be.
+        let (mut st, held) = self.lock_taking_large(true);
+        if let Some((b, split)) = held {
+            st.free_cached(b, split);
+        }
         if let Some(e) = st.error.take() {
             return Err(e);
         }
@@ -834,9 +858,7 @@ impl DeviceAllocator {
     ) {
         if a.cacheable && !used_elsewhere && self.rounding.thread_cache && !trace::enabled() {
             let board = &self.caches.board;
-            let put = self
-                .caches
-                .with_mine(self.id, |tc| tc.put(board, stream, a.size, a.small, requested, a.block, a.addr, a.split));
+            let put = self.caches.with_mine(self.id, |tc| tc.put(board, stream, requested, a));
             match put {
                 Some(tcache::Put::Cached) => return,
                 Some(tcache::Put::Evicted(old)) => {

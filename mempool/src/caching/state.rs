@@ -441,6 +441,7 @@ impl State {
             !((size < max_split && block >= max_split) || (whole_only && block >= size + rules::LARGE_BUFFER))
         };
         let k = self.sets[set.0 as usize].take_best_fit(size, accept)?;
+        self.sink.gens().bump(set.0);
         let first = BlockIdx::from_key(key_idx(k));
         // Expandable memory (PyTorch's rule): the free block at the end of a segment, with
         // unmapped space after it, counts as big as it can grow, so the next bigger block is
@@ -468,6 +469,7 @@ impl State {
         let blk = self.block(b);
         let (k, set) = (key(blk.size, blk.addr, b.to_key()), blk.set.0 as usize);
         self.sets[set].insert(k);
+        self.sink.gens().bump(set as u32);
     }
 
     #[inline(always)]
@@ -475,6 +477,7 @@ impl State {
         let blk = self.block(b);
         let (k, set) = (key(blk.size, blk.addr, b.to_key()), blk.set.0 as usize);
         self.sets[set].remove(k);
+        self.sink.gens().bump(set as u32);
     }
 
     /// Counts (`add`) or uncounts a free block in the inactive-split stats.
@@ -552,10 +555,12 @@ impl State {
             size: b.size,
             small: b.small,
             split: b.is_split(),
-            // In expandable memory only small blocks: a large block held in a cache is not
-            // there to merge with its neighbours, and the address space then fragments (the
-            // transformer trace's third replay reserved 3.5% more with large blocks cached).
-            cacheable: b.pool == Slot::DEFAULT && b.size < self.config.max_split_size && b.small,
+            // Large blocks too: the cache keeps one, reused only while its free set is as it
+            // was (so exactly where best fit would put it again), and filed back at this
+            // thread's next locked call and before any segment is made.
+            cacheable: b.pool == Slot::DEFAULT && b.size < self.config.max_split_size,
+            set: b.set.0,
+            gen: self.sink.gens().get(b.set.0),
         }
     }
 

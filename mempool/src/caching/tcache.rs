@@ -49,6 +49,12 @@ const WAYS: usize = if cfg!(loom) { 2 } else { 4 };
 const PER_BIN: usize = if cfg!(loom) { 3 } else { 4 };
 /// Bytes one thread cache holds at most.
 const MAX_BYTES: usize = 1 << 30;
+/// The bin of large blocks (after the `BINS` bins of small ones): one block, the last large
+/// block this thread freed. It is filed back in its free set as soon as this thread takes the
+/// lock for anything else, and before any thread makes a segment, so best fit and the peaks see
+/// what they would without it; only an allocation of the same (stream, size, bytes asked for)
+/// right after the free reuses it without the lock.
+const LARGE: usize = BINS;
 
 /// A slot's word for a block: its index (free-set key, never 0) and its split flag.
 fn pack(block: BlockIdx, split: bool) -> u64 {
@@ -80,7 +86,7 @@ pub(super) struct Shared {
 impl Shared {
     fn new() -> Shared {
         Shared {
-            slots: (0..BINS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect(),
+            slots: (0..=BINS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect(),
             filled: AtomicBool::new(false),
             drains: AtomicU64::new(0),
             orphan: AtomicBool::new(false),
@@ -108,6 +114,15 @@ impl Shared {
         }
         self.drains.fetch_add(1, Ordering::Release);
     }
+
+    /// Takes the cached large block out, if there is one.
+    pub(super) fn drain_large(&self, into: &mut Vec<Cached>) {
+        let v = self.slots[LARGE][0].swap(0, Ordering::AcqRel);
+        if v != 0 {
+            into.push(unpack(v));
+            self.drains.fetch_add(1, Ordering::Release);
+        }
+    }
 }
 
 /// The owner's side of a bin.
@@ -121,17 +136,27 @@ struct Meta {
     small: bool,
     n: usize,
     addr: [u64; PER_BIN],
+    /// The large bin's block: its free set and that set's generation when it was handed out.
+    set: u32,
+    gen: u64,
 }
 
 impl Meta {
     /// Whether this bin holds blocks of (stream, size, bytes asked for).
     #[inline(always)]
     fn holds(&self, stream: StreamKey, size: usize, requested: usize) -> bool {
-        self.n > 0 && self.requested == requested && self.size == size && self.stream == stream
+        self.n > 0 && self.keyed(stream, size, requested)
+    }
+
+    /// Whether this bin is (or was last) for (stream, size, bytes asked for).
+    #[inline(always)]
+    fn keyed(&self, stream: StreamKey, size: usize, requested: usize) -> bool {
+        self.requested == requested && self.size == size && self.stream == stream
     }
 }
 
-const EMPTY: Meta = Meta { stream: StreamKey(0), size: 0, requested: 0, small: false, n: 0, addr: [0; PER_BIN] };
+const EMPTY: Meta =
+    Meta { stream: StreamKey(0), size: 0, requested: 0, small: false, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
 
 /// A thread's cache of one allocator, as its thread holds it.
 #[derive(Debug)]
@@ -152,7 +177,7 @@ pub(super) struct Owner {
     bypass: u32,
     /// The way evicted next when a set is full.
     victim: usize,
-    /// The bin used last.
+    /// The bin used last (always an index of `meta`).
     last: usize,
 }
 
@@ -191,13 +216,15 @@ pub(super) struct Hit {
     pub(super) addr: u64,
     pub(super) small: bool,
     pub(super) split: bool,
+    pub(super) set: u32,
+    pub(super) gen: u64,
 }
 
 impl Owner {
     pub(super) fn new(shared: Arc<Shared>) -> Owner {
         Owner {
             shared,
-            meta: vec![EMPTY; BINS].into_boxed_slice(),
+            meta: vec![EMPTY; BINS + 1].into_boxed_slice(),
             bytes: 0,
             drains: 0,
             slack: MIN_BYTE_SLACK,
@@ -214,20 +241,66 @@ impl Owner {
     }
 
     /// The bin holding blocks of (stream, size, bytes asked for), if one does: the bin used
-    /// last first (a thread that cycles one size finds it there), then the key's set.
+    /// last first (a thread that cycles one size finds it there), then the key's set (small
+    /// blocks) or the large bin.
     #[inline(always)]
     fn find(&self, stream: StreamKey, size: usize, requested: usize) -> Option<usize> {
-        if self.meta[self.last % BINS].holds(stream, size, requested) {
-            return Some(self.last % BINS);
+        let last = self.last;
+        if self.meta[last].holds(stream, size, requested) {
+            return Some(last);
+        }
+        if !crate::rules::is_small(size) {
+            return self.meta[LARGE].holds(stream, size, requested).then_some(LARGE);
         }
         let set = set_of(stream, requested);
         (set..set + WAYS).find(|&i| self.meta[i].holds(stream, size, requested))
+    }
+
+    /// The bin a freed block of (stream, size, bytes asked for) goes to: the large bin, or in
+    /// the key's set, the bin of that key (even empty: it is set up already), else an empty
+    /// one, else the next victim.
+    #[inline(always)]
+    fn bin_for(&mut self, stream: StreamKey, size: usize, requested: usize, small: bool) -> usize {
+        if !small {
+            return LARGE;
+        }
+        let last = self.last;
+        if self.meta[last].keyed(stream, size, requested) && last != LARGE {
+            return last;
+        }
+        let set = set_of(stream, requested);
+        if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].keyed(stream, size, requested)) {
+            return i;
+        }
+        if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].n == 0) {
+            return i;
+        }
+        self.victim = (self.victim + 1) % WAYS;
+        set + self.victim
+    }
+
+    /// Takes this thread's cached large block out (before it takes the lock for anything else).
+    #[inline(always)]
+    pub(super) fn take_large(&mut self) -> Option<Cached> {
+        let m = &mut self.meta[LARGE];
+        if m.n == 0 {
+            return None;
+        }
+        m.n = 0;
+        self.bytes = self.bytes.saturating_sub(m.size);
+        let v = self.shared.slots[LARGE][0].swap(0, Ordering::Acquire);
+        (v != 0).then(|| unpack(v))
     }
 
     /// A cached block for a request of `size` bytes (rounded) on `stream`, counted as allocated.
     #[inline(always)]
     pub(super) fn take(&mut self, board: &Board, stream: StreamKey, size: usize, requested: usize) -> Option<Hit> {
         let i = self.find(stream, size, requested)?;
+        // A large block only while its set is as it was when it was handed out: best fit would
+        // give it again (otherwise it waits for this thread's next locked call).
+        if i == LARGE && board.gens.get(self.meta[LARGE].set) != self.meta[LARGE].gen {
+            return None;
+        }
         self.last = i;
         let m = &mut self.meta[i];
         // Walk down past slots a drain emptied.
@@ -237,7 +310,7 @@ impl Owner {
             let v = self.shared.slots[i][m.n].swap(0, Ordering::Acquire);
             if v != 0 {
                 let (block, split) = unpack(v);
-                let hit = Hit { block, addr: m.addr[m.n], small: m.small, split };
+                let hit = Hit { block, addr: m.addr[m.n], small: m.small, split, set: m.set, gen: m.gen };
                 self.hits += 1;
                 self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
                 return Some(hit);
@@ -248,18 +321,8 @@ impl Owner {
 
     /// Caches a block of `size` bytes at `addr` on `stream`, freed by its owner, counted as free.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn put(
-        &mut self,
-        board: &Board,
-        stream: StreamKey,
-        size: usize,
-        small: bool,
-        requested: usize,
-        block: BlockIdx,
-        addr: u64,
-        split: bool,
-    ) -> Put {
+    pub(super) fn put(&mut self, board: &Board, stream: StreamKey, requested: usize, a: &super::Allocation) -> Put {
+        let (size, small, block, addr, split) = (a.size, a.small, a.block, a.addr, a.split);
         if self.bypass > 0 {
             self.bypass -= 1;
             return Put::Refused;
@@ -280,23 +343,12 @@ impl Owner {
         if self.bytes + size > MAX_BYTES {
             return Put::Refused;
         }
-        let i = match self.find(stream, size, requested) {
-            Some(i) => i,
-            None => {
-                let set = set_of(stream, requested);
-                match (set..set + WAYS).find(|&i| self.meta[i].n == 0) {
-                    Some(i) => i,
-                    None => {
-                        self.victim = (self.victim + 1) % WAYS;
-                        set + self.victim
-                    }
-                }
-            }
-        };
+        let i = self.bin_for(stream, size, requested, small);
         self.last = i;
         let mut out = Put::Cached;
         let m = &mut self.meta[i];
-        if m.n > 0 && !m.holds(stream, size, requested) {
+        // The large bin holds one block: the one before goes back.
+        if m.n > 0 && (i == LARGE || !m.holds(stream, size, requested)) {
             let mut old = [None; PER_BIN];
             for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
                 let v = s.swap(0, Ordering::Acquire);
@@ -310,8 +362,8 @@ impl Owner {
         } else if m.n == PER_BIN {
             return Put::Refused;
         }
-        if m.n == 0 {
-            *m = Meta { stream, size, requested, small, n: 0, addr: [0; PER_BIN] };
+        if m.n == 0 && !m.keyed(stream, size, requested) {
+            *m = Meta { stream, size, requested, small, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
         }
         // The slot at the count is 0 (owner invariant): nobody else writes a block into it.
         // Under loom a swap, checking that: loom lets a plain store slip between the read and
@@ -322,6 +374,8 @@ impl Owner {
         #[cfg(loom)]
         assert_eq!(self.shared.slots[i][m.n].swap(pack(block, split), Ordering::AcqRel), 0, "owner invariant");
         m.addr[m.n] = addr;
+        m.set = a.set;
+        m.gen = a.gen;
         m.n += 1;
         self.bytes += size;
         // Always stored (after the slot): a drain that cleared the flag without seeing the slot
@@ -402,6 +456,12 @@ impl Sink {
     /// The retired counters (the caller holds the retired lock until `clear`).
     pub(super) fn retired(&self) -> NonNull<ThreadStats> {
         NonNull::from(&*self.board.retired)
+    }
+
+    /// The free sets' generations (see [`SetGens`](crate::stats::SetGens)).
+    #[inline(always)]
+    pub(super) fn gens(&self) -> &crate::stats::SetGens {
+        &self.board.gens
     }
 
     #[inline(always)]
@@ -506,10 +566,19 @@ impl Registry {
     }
 
     /// This thread's counters for allocator `id` and their byte slack, for a locked section
-    /// (`None`: this thread's locals are gone or in use).
+    /// (`None`: this thread's locals are gone or in use); `take_large`: and its cached large
+    /// block, taken out.
     #[inline(always)]
-    pub(super) fn mine_stats(&self, id: AllocatorId) -> Option<(NonNull<ThreadStats>, i64)> {
-        self.with_mine(id, |o| (NonNull::from(o.stats()), o.slack))
+    #[allow(clippy::type_complexity)]
+    pub(super) fn mine_stats(
+        &self,
+        id: AllocatorId,
+        take_large: bool,
+    ) -> Option<(NonNull<ThreadStats>, i64, Option<Cached>)> {
+        self.with_mine(id, |o| {
+            let large = if take_large { o.take_large() } else { None };
+            (NonNull::from(o.stats()), o.slack, large)
+        })
     }
 
     /// The lock under which `board.retired` is written.
@@ -531,11 +600,13 @@ impl Registry {
         });
     }
 
-    /// Takes the blocks of exited threads' caches and forgets those caches.
-    pub(super) fn drain_orphans(&self, into: &mut Vec<Cached>) {
+    /// Takes the blocks of exited threads' caches and forgets those caches, and takes every
+    /// other thread's cached large block.
+    pub(super) fn drain_orphans_and_large(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
         list.retain(|c| {
             if !c.orphan.load(Ordering::Acquire) {
+                c.drain_large(into);
                 return true;
             }
             c.drain(into);
@@ -589,6 +660,12 @@ mod loom_tests {
         BlockIdx::from_key(i as u32 + 1)
     }
 
+    /// An allocation of block `i` of `size` bytes at `addr`, as the state hands it out.
+    fn a(i: usize, size: usize, addr: u64, split: bool) -> super::super::Allocation {
+        let small = crate::rules::is_small(size);
+        super::super::Allocation { block: b(i), addr, size, small, split, cacheable: true, set: 0, gen: 0 }
+    }
+
     /// The owner caches, reuses and evicts while another thread drains: no block is lost or
     /// handed out twice.
     #[test]
@@ -599,8 +676,8 @@ mod loom_tests {
             let board = Board::default();
             let s = StreamKey(7);
             // Two blocks of one size cached before the drainer starts.
-            assert!(matches!(own.put(&board, s, 512, true, 512, b(0), 0x1000, false), Put::Cached));
-            assert!(matches!(own.put(&board, s, 512, true, 512, b(1), 0x1200, true), Put::Cached));
+            assert!(matches!(own.put(&board, s, 512, &a(0, 512, 0x1000, false)), Put::Cached));
+            assert!(matches!(own.put(&board, s, 512, &a(1, 512, 0x1200, true)), Put::Cached));
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
@@ -612,7 +689,7 @@ mod loom_tests {
                 mine.push(h.block);
             }
             // A third block, cached while the drain may be under way.
-            let p = own.put(&board, s, 512, true, 512, b(2), 0x1400, false);
+            let p = own.put(&board, s, 512, &a(2, 512, 0x1400, false));
             assert!(matches!(p, Put::Cached));
             while let Some(h) = own.take(&board, s, 512, 512) {
                 mine.push(h.block);
@@ -626,6 +703,47 @@ mod loom_tests {
                 mine.into_iter().chain(drained.drain(..).map(|c| c.0)).chain(left.into_iter().map(|c| c.0)).collect();
             all.sort_by_key(|x| x.to_key());
             assert_eq!(all, vec![b(0), b(1), b(2)], "every block with exactly one party: {why}");
+        });
+    }
+
+    /// The large bin: the owner reuses its block, takes it out for the lock, and caches another
+    /// (evicting the one before) while another thread takes large blocks before it makes a
+    /// segment: each block ends up with exactly one party.
+    #[test]
+    fn large_bin_and_segment_drain() {
+        loom::model(|| {
+            let reg = Arc::new(Registry::default());
+            let mut own = reg.make();
+            let board = Board::default();
+            let s = StreamKey(7);
+            let big = 4 << 20;
+            assert!(matches!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)), Put::Cached));
+            let r2 = reg.clone();
+            let drainer = loom::thread::spawn(move || {
+                let mut got = Vec::new();
+                r2.drain_orphans_and_large(&mut got);
+                got
+            });
+            let mut mine = Vec::new();
+            if let Some(h) = own.take(&board, s, big, big) {
+                // Reused, and freed again: it is back in the cache (the drain may take it now).
+                assert_eq!(h.block, b(0));
+                assert!(matches!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)), Put::Cached));
+            }
+            match own.put(&board, s, big, &a(1, big, 0x200_0000, false)) {
+                Put::Evicted(old) => mine.extend(old.into_iter().flatten().map(|c| c.0)),
+                Put::Cached => {}
+                Put::Refused => panic!("the large bin refused a block"),
+            }
+            mine.extend(own.take_large().map(|c| c.0));
+            let mut drained = drainer.join().unwrap();
+            let mut left = Vec::new();
+            reg.close(&mut left);
+            let why = format!("owner {mine:?}, drained {drained:?}, left {left:?}");
+            let mut all: Vec<BlockIdx> =
+                mine.into_iter().chain(drained.drain(..).map(|c| c.0)).chain(left.into_iter().map(|c| c.0)).collect();
+            all.sort_by_key(|x| x.to_key());
+            assert_eq!(all, vec![b(0), b(1)], "every block with exactly one party: {why}");
         });
     }
 
