@@ -6,7 +6,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch, torch.distributed as dist, torch.multiprocessing as mp
 os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the shared hosts
 
-def bench(t, iters=20):
+ITERS = int(os.environ.get("ITERS", "20"))  # timed all-reduces per measurement
+ROUNDS = int(os.environ.get("ROUNDS", "2"))  # measurements per pool, alternating; the best counts
+
+def bench(t, iters=ITERS):
     for _ in range(5): dist.all_reduce(t)
     torch.cuda.synchronize(); s = time.perf_counter()
     for _ in range(iters): dist.all_reduce(t)
@@ -23,7 +26,7 @@ def run(rank, world):
     for mb in [1, 16, 128, 1024]:
         n = mb * 2**20 // 4
         res = {}
-        for name, pool in [("torch_reg", theirs), ("mempool_reg", ours), ("torch_reg", theirs), ("mempool_reg", ours)]:
+        for name, pool in [("torch_reg", theirs), ("mempool_reg", ours)] * ROUNDS:
             with torch.cuda.use_mem_pool(pool):
                 t = torch.full((n,), float(rank + 1), device=dev)
             be.register_mem_pool(pool)
@@ -36,7 +39,7 @@ def run(rank, world):
         bus = lambda s: 2 * (world - 1) / world * n * 4 / s / 1e9
         rows.append((mb, bus(res["torch_reg"]), bus(res["mempool_reg"]), res["torch_reg"] / res["mempool_reg"]))
     if rank == 0:
-        print(f"world={world} torch={torch.__version__} nccl={torch.cuda.nccl.version()}; every result checked")
+        print(f"world={world} torch={torch.__version__} nccl={torch.cuda.nccl.version()} iters={ITERS} rounds={ROUNDS}; every result checked")
         print("MiB  torch_reg_busbw_GBs  mempool_reg_busbw_GBs  mempool/torch")
         for r in rows: print("%5d %18.1f %20.1f %14.3f" % r)
     dist.destroy_process_group()

@@ -236,6 +236,8 @@ def compare(steps, workloads, allocs, rounds):
             same = all(x["losses"] == base[0]["losses"] for x in rs) if base else False
             print(f"{w:9} {a:15} {rs[0]['steps']:>5} {ms:>9.3f} {ratio:>9.4f} "
                   f"{rs[0]['peak_reserved'] / 2**20:>17.1f} {rs[0]['peak_allocated'] / 2**20:>14.1f} {str(same):>23}")
+    for (w, a), rs in rows.items():
+        print(f"# {w} {a} step_ms by round: " + " ".join(f"{x['median_ms']:.3f}" for x in rs))
 
 
 def micro(alloc, n=200_000):
