@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::elem::AnyBitPattern;
 use crate::error::{Error, Result};
 use crate::id::{AllocatorId, PoolRef, StreamId, StreamRef};
-pub use crate::kind::{Cuda, Host, Kind, Sim};
+pub use crate::kind::{Cuda, Host, Kind, Sim, SimGraph};
 pub(crate) use crate::kind::{CudaExt, Handle, Shared};
 use crate::snapshot::Snapshot;
 use crate::stats::MemoryStats;
@@ -157,7 +157,7 @@ impl Allocator<Sim> {
 
     /// A new allocator over a simulated device, with these settings.
     pub fn sim_with(device: Arc<SimDevice>, config: Config) -> Allocator<Sim> {
-        make::<Sim>(device, config, ())
+        make::<Sim>(device.clone(), config, device)
     }
 }
 

@@ -69,6 +69,14 @@ pub enum Error {
         /// What it said.
         message: String,
     },
+    /// A CUDA-graph capture was misused, or refused an operation that gives memory back while
+    /// it is under way.
+    Capture {
+        /// What was being done.
+        what: &'static str,
+        /// What went wrong, and what to do.
+        message: String,
+    },
     /// The driver (or a backend) reported an error.
     Backend {
         /// What mempool was doing.
@@ -184,6 +192,7 @@ impl fmt::Display for Error {
             Error::PoolAllocator { pool, allocator, message } => {
                 write!(f, "the allocator `{allocator}` of pool {pool} failed: {message}")
             }
+            Error::Capture { what, message } => write!(f, "{what}: {message}"),
             Error::Backend { op, message } => write!(f, "{op} failed: {message}"),
         }
     }

@@ -8,9 +8,10 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 use cudarc::driver::CudaStream;
 
 use crate::backend::cuda::CudaBackend;
-use crate::backend::sim::SimStream;
-use crate::backend::Keep;
+use crate::backend::sim::{SimDevice, SimStream};
+use crate::backend::{CaptureMode, Keep};
 use crate::caching::DeviceAllocator;
+use crate::error::Result;
 use crate::id::{StreamId, StreamKey, StreamRef};
 
 mod sealed {
@@ -44,6 +45,21 @@ pub trait Kind: sealed::Sealed + Sized + Send + Sync + 'static {
     fn usable(_s: &Self::Stream) -> bool {
         true
     }
+    /// An instantiated graph of this kind of device (CUDA: cudarc's `CudaGraph`).
+    type Graph: 'static;
+    /// Begins a graph capture on the stream.
+    #[doc(hidden)]
+    fn begin_capture(shared: &Shared<Self>, s: &Self::Stream, mode: CaptureMode) -> Result<()>;
+    /// Ends the stream's capture and instantiates the graph (`None`: nothing was captured).
+    #[doc(hidden)]
+    fn end_capture(shared: &Shared<Self>, s: &Self::Stream) -> Result<Option<Self::Graph>>;
+    /// Launches the graph on the stream it was captured on.
+    #[doc(hidden)]
+    fn launch(g: &Self::Graph) -> Result<()>;
+}
+
+fn no_graphs(what: &'static str) -> crate::error::Error {
+    crate::error::Error::Capture { what, message: "host memory has no graphs to capture".into() }
 }
 
 /// The checks every entry point that takes a stream makes: the allocator's device, and a stream
@@ -155,6 +171,23 @@ impl Kind for Cuda {
         s.context().ordinal()
     }
     /// The stream object the keep-alive holds; the device's default stream without one.
+    type Graph = cudarc::driver::CudaGraph;
+    fn begin_capture(_: &Shared<Cuda>, s: &Arc<CudaStream>, mode: CaptureMode) -> Result<()> {
+        use cudarc::driver::sys::CUstreamCaptureMode as M;
+        let mode = match mode {
+            CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        s.begin_capture(mode).map_err(|e| crate::backend::cuda::driver_err("cuStreamBeginCapture", e))
+    }
+    fn end_capture(_: &Shared<Cuda>, s: &Arc<CudaStream>) -> Result<Option<cudarc::driver::CudaGraph>> {
+        s.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(|e| crate::backend::cuda::driver_err("cuStreamEndCapture / cuGraphInstantiate", e))
+    }
+    fn launch(g: &cudarc::driver::CudaGraph) -> Result<()> {
+        g.launch().map_err(|e| crate::backend::cuda::driver_err("cuGraphLaunch", e))
+    }
     fn resolve(shared: &Shared<Cuda>, _: StreamRef, keep: Option<Keep>) -> Arc<CudaStream> {
         match keep.and_then(|k| k.downcast::<CudaStream>().ok()) {
             Some(s) => s,
@@ -177,6 +210,16 @@ impl Kind for Host {
     fn stream_device(_: &StreamId, d: usize) -> usize {
         d
     }
+    type Graph = std::convert::Infallible;
+    fn begin_capture(_: &Shared<Host>, _: &StreamId, _: CaptureMode) -> Result<()> {
+        Err(no_graphs("begin_capture"))
+    }
+    fn end_capture(_: &Shared<Host>, _: &StreamId) -> Result<Option<std::convert::Infallible>> {
+        Err(no_graphs("end_capture"))
+    }
+    fn launch(g: &std::convert::Infallible) -> Result<()> {
+        match *g {}
+    }
     fn resolve(_: &Shared<Host>, s: StreamRef, _: Option<Keep>) -> StreamId {
         s.raw
     }
@@ -184,7 +227,20 @@ impl Kind for Host {
 
 impl Kind for Sim {
     type Stream = SimStream;
-    type Ext = ();
+    type Ext = Arc<SimDevice>;
+    type Graph = SimGraph;
+    fn begin_capture(shared: &Shared<Sim>, s: &SimStream, _: CaptureMode) -> Result<()> {
+        shared.ext.begin_capture(s.id);
+        Ok(())
+    }
+    fn end_capture(shared: &Shared<Sim>, s: &SimStream) -> Result<Option<SimGraph>> {
+        shared.ext.end_capture(s.id);
+        Ok(Some(SimGraph { device: shared.ext.clone() }))
+    }
+    fn launch(g: &SimGraph) -> Result<()> {
+        g.device.launch_graph();
+        Ok(())
+    }
     type StreamCache = ();
     fn stream_ref(s: &SimStream) -> StreamRef {
         // A simulated device never reuses a stream id.
@@ -199,6 +255,13 @@ impl Kind for Sim {
     fn resolve(shared: &Shared<Sim>, s: StreamRef, _: Option<Keep>) -> SimStream {
         SimStream { device: shared.device, id: s.raw }
     }
+}
+
+/// A graph captured on a simulated device: its launches are counted
+/// ([`SimDevice::graph_launches`]).
+#[derive(Debug)]
+pub struct SimGraph {
+    device: Arc<SimDevice>,
 }
 
 #[doc(hidden)]

@@ -52,6 +52,8 @@ mod counting;
 mod elem;
 pub mod error;
 pub mod format;
+#[allow(unsafe_code)] // `Graph::replay`: the captured launches' contract, for every replay
+pub mod graph;
 mod id;
 mod kind;
 pub mod pool;
@@ -63,13 +65,14 @@ pub mod stream;
 mod sync;
 pub mod trace;
 
-pub use allocator::{Allocator, Cuda, Host, Kind, Sim};
+pub use allocator::{Allocator, Cuda, Host, Kind, Sim, SimGraph};
 pub use backend::{sim, Backend, BackendError, MapGuard, RawAllocator};
 pub use buffer::Buffer;
 pub use config::Config;
 pub use counting::{AllocatorCounts, Counting};
 pub use elem::AnyBitPattern;
 pub use error::{Error, OomReport, Result};
+pub use graph::{Capture, CaptureMode, Graph};
 pub use id::{AllocatorId, EventId, PoolId, StreamId};
 pub use pool::{MemPool, PoolOptions};
 pub use scope::{PoolScope, ScopeHandle, Scoped};

@@ -18,7 +18,7 @@ const LAYERS: &[&[&str]] = &[
     &["buffer"],
     &["allocator"],
     &["pool"],
-    &["scope"],
+    &["scope", "graph"],
     &["__private"],
 ];
 

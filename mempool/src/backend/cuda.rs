@@ -67,6 +67,21 @@ pub struct CudaBackend {
     vm: Option<Vm>,
 }
 
+/// Runs `f` with this thread's stream-capture mode relaxed: a thread capturing a graph in global
+/// or thread-local mode may then make segments and map memory (calls CUDA otherwise refuses
+/// during a capture, invalidating it), as PyTorch's allocator does.
+fn relaxed<T>(f: impl FnOnce() -> T) -> T {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: `mode` is an in/out parameter holding a valid mode; the previous mode is put back.
+    let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == CUresult::CUDA_SUCCESS;
+    let r = f();
+    if swapped {
+        // SAFETY: as above, with the mode this thread had.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+    }
+    r
+}
+
 fn check(r: CUresult) -> Result<(), BackendError> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
@@ -185,8 +200,31 @@ unsafe impl Backend for CudaBackend {
     fn alloc_segment(&self, size: usize, _stream: StreamId) -> Result<u64, BackendError> {
         self.bind()?;
         // SAFETY: the context is current; the segment is owned by the caching allocator until
-        // `free_segment`.
-        unsafe { result::malloc_sync(size) }.map_err(failed)
+        // `free_segment`. Relaxed: `cuMemAlloc` is allowed while this thread captures a graph.
+        relaxed(|| unsafe { result::malloc_sync(size) }).map_err(failed)
+    }
+
+    unsafe fn capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        self.bind()?;
+        let (mut status, mut id) = (sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE, 0u64);
+        // SAFETY: `stream` is a live stream of this context (the caller's promise); the status
+        // and id are out-parameters, the optional graph, dependency and edge outputs are null.
+        check(unsafe {
+            sys::cuStreamGetCaptureInfo_v3(
+                stream.0 as CUstream,
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        })?;
+        Ok(match status {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => None,
+            // Active, or invalidated (its capture id stays until it ends).
+            _ => Some(id),
+        })
     }
 
     unsafe fn free_segment(&self, addr: u64, _size: usize) -> Result<(), BackendError> {
@@ -250,7 +288,7 @@ unsafe impl Backend for CudaBackend {
         self.bind()?;
         let mut addr = 0;
         // SAFETY: reserves address space only; `addr` receives its start.
-        check(unsafe { sys::cuMemAddressReserve(&mut addr, size, vm.granularity, 0, 0) })?;
+        check(relaxed(|| unsafe { sys::cuMemAddressReserve(&mut addr, size, vm.granularity, 0, 0) }))?;
         Ok(addr)
     }
 
@@ -261,6 +299,30 @@ unsafe impl Backend for CudaBackend {
     }
 
     unsafe fn map(&self, addr: u64, size: usize) -> Result<u64, BackendError> {
+        // SAFETY: the caller's promise, passed on; relaxed, as `alloc_segment`.
+        relaxed(|| unsafe { self.map_now(addr, size) })
+    }
+
+    unsafe fn unmap(&self, addr: u64, size: usize, handle: u64, stream: StreamId) -> Result<(), BackendError> {
+        self.bind()?;
+        // SAFETY: the caller keeps `stream` alive; waiting for it ends every use of the range
+        // that work submitted before the free could still make.
+        check(unsafe { sys::cuStreamSynchronize(stream.0 as CUstream) })?;
+        // SAFETY: exactly one mapping of ours (the caller's contract), no longer used.
+        check(unsafe { sys::cuMemUnmap(addr, size) })?;
+        // SAFETY: the handle of that mapping, now unmapped, released once. Unmapped already, so
+        // a failure here is not reported as "still mapped" (the memory leaks, which is safe).
+        let _ = unsafe { sys::cuMemRelease(handle) };
+        Ok(())
+    }
+}
+
+impl CudaBackend {
+    /// `Backend::map`, in the thread's capture mode.
+    ///
+    /// # Safety
+    /// As for `Backend::map`.
+    unsafe fn map_now(&self, addr: u64, size: usize) -> Result<u64, BackendError> {
         let vm = self.vm.as_ref().ok_or_else(|| BackendError::Failed("no virtual memory management".into()))?;
         self.bind()?;
         let ordinal = self.ctx.ordinal();
@@ -310,18 +372,5 @@ unsafe impl Backend for CudaBackend {
             return Err(release(e));
         }
         Ok(h)
-    }
-
-    unsafe fn unmap(&self, addr: u64, size: usize, handle: u64, stream: StreamId) -> Result<(), BackendError> {
-        self.bind()?;
-        // SAFETY: the caller keeps `stream` alive; waiting for it ends every use of the range
-        // that work submitted before the free could still make.
-        check(unsafe { sys::cuStreamSynchronize(stream.0 as CUstream) })?;
-        // SAFETY: exactly one mapping of ours (the caller's contract), no longer used.
-        check(unsafe { sys::cuMemUnmap(addr, size) })?;
-        // SAFETY: the handle of that mapping, now unmapped, released once. Unmapped already, so
-        // a failure here is not reported as "still mapped" (the memory leaks, which is safe).
-        let _ = unsafe { sys::cuMemRelease(handle) };
-        Ok(())
     }
 }

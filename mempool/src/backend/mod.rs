@@ -116,6 +116,16 @@ pub unsafe trait Backend: Send + Sync + 'static {
     /// As for [`query_event`](Backend::query_event); the event is not used again.
     unsafe fn release_event(&self, event: EventId);
 
+    /// The id of the graph capture `stream` takes part in (streams forked into a capture share
+    /// its id), or `None` when it is not being captured. The default: never captured.
+    ///
+    /// # Safety
+    /// `stream` is a live stream of this device.
+    unsafe fn capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        let _ = stream;
+        Ok(None)
+    }
+
     /// Virtual memory management, for expandable segments: the page size that
     /// [`map`](Backend::map) works in (addresses and sizes are multiples of it), or `None` when
     /// the device has none (the default; expandable segments are then refused at configuration).
@@ -158,6 +168,22 @@ pub unsafe trait Backend: Send + Sync + 'static {
         let _ = (addr, size, handle, stream);
         Err(BackendError::Failed(format!("{}: no virtual memory management", self.kind())))
     }
+}
+
+/// How a graph capture treats the calls CUDA forbids while it is under way (CUDA's
+/// `CUstreamCaptureMode`): [`Global`](CaptureMode::Global) (the default: any thread's forbidden
+/// call breaks the capture), [`ThreadLocal`](CaptureMode::ThreadLocal) (only this thread's), or
+/// [`Relaxed`](CaptureMode::Relaxed) (none is checked). The allocator's own device calls during a
+/// capture run relaxed in every mode, as PyTorch's do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_GLOBAL`.
+    #[default]
+    Global,
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`.
+    ThreadLocal,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`.
+    Relaxed,
 }
 
 /// Watches the physical allocations of an expandable pool, and may keep one mapped: what a

@@ -70,6 +70,12 @@ struct SimState {
     fail_maps: usize,
     fail_unmaps: usize,
     synced_streams: Vec<StreamId>,
+    /// Streams being captured, with their capture's id.
+    captures: HashMap<StreamId, u64>,
+    next_capture: u64,
+    /// Calls CUDA forbids during a capture (in its global mode) that were made during one.
+    capture_violations: Vec<String>,
+    graph_launches: u64,
 }
 
 impl SimDevice {
@@ -115,6 +121,44 @@ impl SimDevice {
     /// The device's default stream (id 0).
     pub fn default_stream(&self) -> SimStream {
         SimStream { device: self.device, id: StreamId(0) }
+    }
+
+    /// Starts a graph capture on `stream`; returns its capture id.
+    pub fn begin_capture(&self, stream: impl Into<StreamId>) -> u64 {
+        let mut s = self.lock();
+        s.next_capture += 1;
+        let id = s.next_capture;
+        s.captures.insert(stream.into(), id);
+        id
+    }
+
+    /// `stream` joins capture `id` (as a stream forked from a captured one by an event wait).
+    pub fn join_capture(&self, stream: impl Into<StreamId>, id: u64) {
+        self.lock().captures.insert(stream.into(), id);
+    }
+
+    /// Ends the capture `stream` takes part in, for every stream of it.
+    pub fn end_capture(&self, stream: impl Into<StreamId>) {
+        let mut s = self.lock();
+        if let Some(id) = s.captures.get(&stream.into()).copied() {
+            s.captures.retain(|_, c| *c != id);
+        }
+    }
+
+    /// A graph launch (replay): counted.
+    pub fn launch_graph(&self) {
+        self.lock().graph_launches += 1;
+    }
+
+    /// Graph launches so far.
+    pub fn graph_launches(&self) -> u64 {
+        self.lock().graph_launches
+    }
+
+    /// The calls made during a capture that CUDA forbids then (event queries and waits, segment
+    /// frees and unmaps while any stream captures; an event recorded on a captured stream).
+    pub fn capture_violations(&self) -> Vec<String> {
+        self.lock().capture_violations.clone()
     }
 
     /// Completes every event recorded on `stream` so far.
@@ -211,6 +255,12 @@ impl SimDevice {
 }
 
 impl SimState {
+    fn violation_if_capturing(&mut self, what: &str) {
+        if !self.captures.is_empty() {
+            self.capture_violations.push(format!("{what} during a capture"));
+        }
+    }
+
     /// Whether `addr..addr + size` is covered by adjacent mappings.
     fn covered(&self, addr: u64, size: usize) -> bool {
         let Some(end) = addr.checked_add(size as u64) else { return false };
@@ -262,6 +312,7 @@ unsafe impl Backend for SimDevice {
 
     unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         let mut s = self.lock();
+        s.violation_if_capturing("segment free");
         if s.fail_frees > 0 {
             s.fail_frees -= 1;
             return Err(BackendError::Failed("sim: injected free failure".into()));
@@ -301,6 +352,9 @@ unsafe impl Backend for SimDevice {
 
     unsafe fn record_event(&self, stream: StreamId) -> Result<EventId, BackendError> {
         let mut s = self.lock();
+        if s.captures.contains_key(&stream) {
+            s.capture_violations.push(format!("event recorded on captured stream {}", stream.0));
+        }
         let e = s.streams.entry(stream).or_default();
         e.0 += 1;
         let seq = e.0;
@@ -312,6 +366,7 @@ unsafe impl Backend for SimDevice {
 
     unsafe fn query_event(&self, event: EventId) -> Result<bool, BackendError> {
         let mut s = self.lock();
+        s.violation_if_capturing("event query");
         if s.fail_queries > 0 {
             s.fail_queries -= 1;
             return Err(BackendError::Failed("sim: injected event query failure".into()));
@@ -322,6 +377,7 @@ unsafe impl Backend for SimDevice {
 
     unsafe fn synchronize_event(&self, event: EventId) -> Result<(), BackendError> {
         let mut s = self.lock();
+        s.violation_if_capturing("event synchronize");
         let (stream, seq) = *s.events.get(&event.0).ok_or_else(|| BackendError::Failed("sim: unknown event".into()))?;
         s.syncs += 1;
         let e = s.streams.entry(stream).or_default();
@@ -331,6 +387,10 @@ unsafe impl Backend for SimDevice {
 
     unsafe fn release_event(&self, event: EventId) {
         self.lock().events.remove(&event.0);
+    }
+
+    unsafe fn capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {
+        Ok(self.lock().captures.get(&stream).copied())
     }
 
     fn vm_granularity(&self) -> Option<usize> {
@@ -389,6 +449,7 @@ unsafe impl Backend for SimDevice {
 
     unsafe fn unmap(&self, addr: u64, size: usize, handle: u64, stream: StreamId) -> Result<(), BackendError> {
         let mut s = self.lock();
+        s.violation_if_capturing("unmap");
         if s.fail_unmaps > 0 {
             s.fail_unmaps -= 1;
             return Err(BackendError::Failed("sim: injected unmap failure".into()));

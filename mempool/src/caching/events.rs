@@ -55,6 +55,10 @@ impl State {
 
     /// Frees the blocks whose cross-stream events have all completed.
     pub(super) fn process_events(&mut self, be: &dyn Backend) {
+        // No event is queried while a graph is captured (CUDA refuses, and the capture breaks).
+        if !self.captures.is_empty() {
+            return;
+        }
         let mut i = 0;
         while i < self.pending.len() {
             let (ev, block) = self.pending[i];
@@ -77,6 +81,9 @@ impl State {
 
     /// Waits for every pending cross-stream event and frees their blocks.
     pub(super) fn synchronize_events(&mut self, be: &dyn Backend) {
+        if !self.captures.is_empty() {
+            return;
+        }
         self.stats.num_sync_all_streams += 1;
         let mut i = 0;
         while i < self.pending.len() {

@@ -20,6 +20,7 @@
 //! back, and a call that obtained a segment returns only after its `SegmentAlloc` was delivered
 //! (unless another thread was delivering at that moment; it then delivers it).
 
+mod capture;
 mod events;
 mod expand;
 mod freeset;
@@ -29,7 +30,7 @@ mod tcache;
 
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use crate::backend::{contain, Backend, BackendError, Keep};
@@ -132,6 +133,8 @@ pub(crate) struct DeviceAllocator {
     has_error: AtomicBool,
     /// Set by `Drop`: statistics are no longer kept.
     closing: AtomicBool,
+    /// Graph captures under way (`capture.rs`); changed under the lock.
+    capturing: AtomicUsize,
 }
 
 /// The state, locked, with its statistics sink pointed at the calling thread's counters (or at
@@ -224,6 +227,7 @@ impl DeviceAllocator {
             caches,
             has_error: AtomicBool::new(false),
             closing: AtomicBool::new(false),
+            capturing: AtomicUsize::new(0),
         }
     }
 
@@ -467,6 +471,9 @@ impl DeviceAllocator {
     pub(crate) fn malloc(&self, req: &Request<'_>) -> Result<Allocation> {
         if trace::in_hook() {
             return Err(Error::Reentrant);
+        }
+        if self.capturing.load(Ordering::Relaxed) != 0 {
+            return self.malloc_capturing(req);
         }
         if req.pool.slot == 0
             && self.rounding.thread_cache
@@ -915,6 +922,7 @@ impl DeviceAllocator {
     /// default pools and of released pools (live user pools keep theirs: `MemPool::empty_cache`),
     /// and tries again the segments whose free failed before.
     pub(crate) fn empty_cache(&self) -> Result<()> {
+        self.refuse_if_capturing("empty_cache")?;
         self.drain_caches();
         let mut st = self.lock();
         st.synchronize_events(&*self.backend);
@@ -926,6 +934,7 @@ impl DeviceAllocator {
 
     /// Gives back the wholly free segments of one pool.
     pub(crate) fn empty_pool_cache(&self, pool: PoolRef) -> Result<()> {
+        self.refuse_if_capturing("MemPool::empty_cache")?;
         let mut st = self.lock();
         if !st.pending.is_empty() {
             st.process_events(&*self.backend);
@@ -1002,6 +1011,7 @@ impl DeviceAllocator {
             segments: 0,
             released: false,
             live: true,
+            pinned: 0,
         };
         let slot = match st.pools.iter().position(|p| !p.live) {
             Some(i) => {

@@ -92,6 +92,10 @@ impl State {
     /// Gives back a wholly free segment: an ordinary one to its source, the mapped range of an
     /// expandable one unmapped.
     pub(super) fn release_whole(&mut self, seg: SegIdx) {
+        // No memory goes back during a graph capture; `end_capture` catches up.
+        if !self.captures.is_empty() {
+            return;
+        }
         if self.segments[seg.0 as usize].res.is_some() {
             self.unmap_free_runs(seg);
         } else {
@@ -178,9 +182,12 @@ impl State {
 
     /// Gives back every wholly free segment of the pools `which` selects.
     pub(super) fn release_cached(&mut self, which: impl Fn(&super::state::PoolState) -> bool) {
+        if !self.captures.is_empty() {
+            return;
+        }
         for seg in 0..self.segments.len() {
             let s = &self.segments[seg];
-            if !s.live || !which(&self.pools[s.pool.get()]) {
+            if !s.live || self.pools[s.pool.get()].pinned > 0 || !which(&self.pools[s.pool.get()]) {
                 continue;
             }
             if s.res.is_some() {
@@ -310,6 +317,9 @@ impl State {
         // As `empty_cache`: the default pools and released pools; live user pools keep their
         // cache (they may be registered with NCCL, and have their own `empty_cache`).
         let Some(limit) = self.limit else { return };
+        if !self.captures.is_empty() {
+            return;
+        }
         let threshold = (self.config.garbage_collection_threshold * limit as f64) as usize;
         let reserved = |st: &State| st.stats.reserved_bytes.current() as usize;
         if reserved(self) <= threshold {

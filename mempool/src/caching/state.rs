@@ -126,6 +126,9 @@ pub(super) struct PoolState {
     pub(super) released: bool,
     /// The slot is in use (a released pool's slot is reused once its last segment is gone).
     pub(super) live: bool,
+    /// Captures and graphs holding the pool's memory: while any does, none of its segments
+    /// goes back (a graph's replays use the memory its capture freed).
+    pub(super) pinned: u32,
 }
 
 #[derive(Debug)]
@@ -263,6 +266,11 @@ pub(super) struct State {
     /// Pool table; slot 0 is the default pools.
     pub(super) pools: Vec<PoolState>,
     pub(super) pending: Vec<(EventId, BlockIdx)>,
+    /// Graph captures under way (see `capture.rs`): their capture ids and pools.
+    pub(super) captures: Vec<super::capture::Underway>,
+    /// Blocks freed during a capture after use on other streams: their events are recorded
+    /// once no capture is under way (an event recorded on a captured stream is a graph node).
+    pub(super) deferred: Vec<(BlockIdx, Vec<Use>)>,
     pub(super) raw: IdMap<u64, BlockIdx>,
     /// Streams other than its segment's that used a block (only blocks with `has_uses`).
     pub(super) uses: IdMap<BlockIdx, Vec<Use>>,
@@ -321,8 +329,11 @@ impl State {
                 segments: 0,
                 released: false,
                 live: true,
+                pinned: 0,
             }],
             pending: Vec::new(),
+            captures: Vec::new(),
+            deferred: Vec::new(),
             raw: IdMap::default(),
             uses: IdMap::default(),
             stats: Counters::default(),
@@ -595,6 +606,10 @@ impl State {
             return;
         }
         self.block_mut(block).state = BlockState::AwaitingStreams;
+        if !self.captures.is_empty() {
+            self.deferred.push((block, uses));
+            return;
+        }
         self.record_uses(be, block, uses);
     }
 

@@ -1,0 +1,148 @@
+//! CUDA-graph captures: while a stream is captured, allocations on it (and on streams forked
+//! into the same capture, which share its capture id) come from the capture's pool, whatever
+//! scope the thread is in; nothing the driver refuses during a capture is done: no event is
+//! recorded on, queried or waited for (cross-stream frees wait until no capture is under way), and
+//! no memory goes back (`empty_cache` is refused; released pools, garbage collection and the
+//! out-of-memory ladder give back nothing until the last capture ends).
+//!
+//! `capturing` (the number of captures under way) is read without the lock on every
+//! allocation: when it is 0, the thread caches and the usual path run unchanged.
+
+use std::sync::atomic::Ordering;
+
+use super::{Allocation, DeviceAllocator, Request};
+use crate::error::{Error, Result};
+use crate::id::{PoolRef, StreamRef};
+
+/// A capture under way: its capture id (the driver's) and the pool its allocations go to.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Underway {
+    pub(super) id: u64,
+    pub(super) pool: PoolRef,
+}
+
+fn refused(what: &'static str, message: impl Into<String>) -> Error {
+    Error::Capture { what, message: message.into() }
+}
+
+impl DeviceAllocator {
+    /// Begins a capture: `start` begins it on `stream` (under the lock, so that no allocation on
+    /// the stream slips between the start and the registration); its allocations then go to
+    /// `pool`. Returns the capture id.
+    pub(crate) fn begin_capture(
+        &self,
+        stream: StreamRef,
+        pool: PoolRef,
+        start: impl FnOnce() -> Result<()>,
+    ) -> Result<u64> {
+        let be = &*self.backend;
+        let mut st = self.lock();
+        if st.resolve(pool).is_none() {
+            return Err(refused("begin_capture", format!("pool {} is released", pool.id.0)));
+        }
+        if let Some(c) = st.captures.iter().find(|c| c.pool.id == pool.id) {
+            return Err(refused(
+                "begin_capture",
+                format!(
+                    "pool {} is the pool of capture {} under way: two captures cannot allocate from one pool at once (end the first, then pass `graph.pool()` to the next)",
+                    pool.id.0, c.id
+                ),
+            ));
+        }
+        // SAFETY: `stream` is the caller's live stream of this device (checked by `Allocator`).
+        match unsafe { be.capture_id(stream.raw) } {
+            Ok(None) => {}
+            Ok(Some(id)) => {
+                return Err(refused("begin_capture", format!("the stream is already being captured (capture {id})")))
+            }
+            Err(e) => return Err(Error::Backend { op: "asking a stream's capture status", message: e.to_string() }),
+        }
+        start()?;
+        // SAFETY: as above.
+        let id = match unsafe { be.capture_id(stream.raw) } {
+            Ok(Some(id)) => id,
+            Ok(None) => return Err(refused("begin_capture", "the stream did not start capturing")),
+            Err(e) => return Err(Error::Backend { op: "asking a stream's capture status", message: e.to_string() }),
+        };
+        st.captures.push(Underway { id, pool });
+        if let Some(slot) = st.resolve(pool) {
+            st.pools[slot.get()].pinned += 1;
+        }
+        self.capturing.fetch_add(1, Ordering::Relaxed);
+        Ok(id)
+    }
+
+    /// The capture `id` has ended on its stream (or was abandoned): its allocations go back to the
+    /// usual routing; `graph`: a graph now holds the pool's memory (else it is unpinned). With
+    /// the last capture gone, the cross-stream frees made during captures record their events,
+    /// and released pools give back what they held.
+    pub(crate) fn end_capture(&self, id: u64, graph: bool) {
+        let be = &*self.backend;
+        let mut st = self.lock();
+        let Some(i) = st.captures.iter().position(|c| c.id == id) else { return };
+        let ended = st.captures.swap_remove(i);
+        if !graph {
+            unpin(&mut st, ended.pool);
+        }
+        self.capturing.fetch_sub(1, Ordering::Relaxed);
+        if st.captures.is_empty() {
+            for (block, uses) in std::mem::take(&mut st.deferred) {
+                st.record_uses(be, block, uses);
+            }
+            st.process_events(be);
+            st.release_cached(|p| p.released);
+        }
+        self.unlock(st, true);
+    }
+
+    /// A graph holding `pool`'s memory is gone.
+    pub(crate) fn unpin_pool(&self, pool: PoolRef) {
+        let mut st = self.lock();
+        unpin(&mut st, pool);
+        self.unlock(st, false);
+    }
+
+    /// Whether a capture is under way on this device.
+    pub(crate) fn capturing(&self) -> bool {
+        self.capturing.load(Ordering::Relaxed) != 0
+    }
+
+    /// `malloc` while a capture is under way: a request on a captured stream goes to its
+    /// capture's pool; no thread cache is used.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn malloc_capturing(&self, req: &Request<'_>) -> Result<Allocation> {
+        // SAFETY: the request's stream is alive: the caller's current stream, which its entry
+        // keeps alive, or a stream that never dies (the same promise `alloc_segment` relies on).
+        let id = unsafe { self.backend.capture_id(req.stream.raw) }
+            .map_err(|e| Error::Backend { op: "asking a stream's capture status", message: e.to_string() })?;
+        let pool = id.and_then(|id| self.lock().captures.iter().find(|c| c.id == id).map(|c| c.pool));
+        let routed;
+        let req = match pool {
+            Some(pool) => {
+                routed = Request { size: req.size, stream: req.stream, pool, keep: req.keep };
+                &routed
+            }
+            None => req,
+        };
+        self.malloc_locked(req).map_err(|e| self.completed_report(e))
+    }
+
+    /// Refuses `what` (which gives memory back) during a capture.
+    pub(super) fn refuse_if_capturing(&self, what: &'static str) -> Result<()> {
+        if self.capturing() {
+            return Err(refused(
+                what,
+                "a CUDA graph capture is under way on this device: no memory is given back until it ends",
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn unpin(st: &mut super::State, pool: PoolRef) {
+    if let Some(slot) = st.resolve(pool) {
+        let p = &mut st.pools[slot.get()];
+        p.pinned = p.pinned.saturating_sub(1);
+    }
+}
