@@ -292,3 +292,28 @@ fn statistics_stay_exact_across_captures() {
     assert_eq!(a.memory_stats().reserved_bytes.all.current, 0);
     assert!(sim.capture_violations().is_empty(), "{:?}", sim.capture_violations());
 }
+
+#[test]
+fn a_graph_keeps_its_pools_memory_through_empty_cache_and_out_of_memory() {
+    let sim = SimDevice::new(64 * MIB);
+    let a = Allocator::sim(sim.clone());
+    let s = sim.new_stream();
+    let _cur = a.set_stream(&s).unwrap();
+    let p = pool(&a);
+    let cap = a.begin_capture(&s, &p, CaptureMode::Global).unwrap();
+    // A temporary of the graph: freed during the capture, its memory is where replays write.
+    drop(a.alloc::<u8>(30 * MIB).unwrap());
+    let g = cap.end().unwrap();
+    let held = sim.live_segments();
+    assert_eq!(held.len(), 1);
+    p.empty_cache().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(sim.live_segments(), held, "MemPool::empty_cache gave a graph's memory back");
+    // Out of memory in the graph's pool does not give it back either.
+    assert!(matches!(p.alloc::<u8>(40 * MIB), Err(Error::OutOfMemory(_))));
+    assert_eq!(sim.live_segments(), held, "the out-of-memory ladder gave a graph's memory back");
+    drop(g);
+    p.empty_cache().unwrap();
+    assert!(sim.live_segments().is_empty(), "the pool kept its memory after the graph went");
+    check_invariants(&a, Some(&sim));
+}
