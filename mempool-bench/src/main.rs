@@ -6,6 +6,8 @@
 //! mempool-bench replay <trace>... [--backend sim|host|cuda]
 //! mempool-bench scope [--backend sim|host|cuda]
 //! mempool-bench threads [--shared-stream] [--backend sim|host|cuda]
+//! mempool-bench graph <trace>... [--backend sim|cuda]
+//! mempool-bench graph-launch
 //! ```
 //! `latency` prints `pair <bytes> <ns>` and `mixed <live> <ns>` lines (through `Buffer`), then the
 //! same through the raw byte API as `pair-raw` / `mixed-raw`. `replay` prints one line per rep:
@@ -22,6 +24,15 @@
 //! one line each: `mempool threads <N> pairs_per_s <rate> scaling <rate / rate at N=1>` (with
 //! `--shared-stream`, `mempool threads_shared ...`), the rate being N × pairs / the slowest thread's
 //! time.
+//! `graph <trace>...` captures each trace's allocations and frees (all on one new stream, the
+//! trace's stream column set aside) into a CUDA graph with a pool of its own, and prints
+//! `mempool graph <trace> events=<n> pool_reserved=<bytes> pool_peak_reserved=<bytes> live=<n>`
+//! (the pool's reserved bytes after the capture, with the trace's last live buffers kept), then
+//! the same with an expandable pool (`mempool_expand graph ...`, where the backend has virtual memory):
+//! PyTorch's private pool for the same capture is `harness/graph_anchor.py`. `graph-launch`
+//! (CUDA) captures 64 zero-filled 4 KiB buffers, half freed, and prints
+//! `mempool graph_launch replay_ns=<x> cudarc_launch_ns=<y>`: 10,000 launches through
+//! `Graph::replay` and through cudarc's `CudaGraph::launch` of the same graph, twice in turn.
 //! The backend is CUDA device 0 when a GPU is present, else host memory (said on stderr).
 
 use std::process::ExitCode;
@@ -233,6 +244,93 @@ fn replay<K: Kind>(a: &Allocator<K>, path: &str, streams: &mut Streams<'_, K>) -
     Ok(())
 }
 
+/// Captures a trace's allocations into a graph with a pool of its own (see the module docs).
+fn graph<K: Kind>(a: &Allocator<K>, path: &str, streams: &mut Streams<'_, K>) -> Result<(), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    let ops = parse_trace(&text).map_err(|e| format!("{path}: {e}"))?;
+    let name = path.rsplit('/').next().unwrap_or(path);
+    for expandable in [false, true] {
+        // A backend without virtual memory has no expandable pools: that row is left out.
+        let Ok(pool) = MemPool::on(a, PoolOptions::new().expandable(expandable)) else { continue };
+        graph_into(a, name, path, &ops, pool, expandable, streams)?;
+    }
+    Ok(())
+}
+
+fn graph_into<K: Kind>(
+    a: &Allocator<K>,
+    name: &str,
+    path: &str,
+    ops: &[mempool_bench::trace::TraceOp],
+    pool: MemPool<K>,
+    expandable: bool,
+    streams: &mut Streams<'_, K>,
+) -> Result<(), String> {
+    let s = (streams.new)()?;
+    let _on = a.set_stream(&s).map_err(|e| e.to_string())?;
+    let capture = a.begin_capture(&s, &pool, mempool::CaptureMode::Global).map_err(|e| e.to_string())?;
+    let mut live = std::collections::HashMap::new();
+    for op in ops {
+        match *op {
+            mempool_bench::trace::TraceOp::Alloc { id, bytes, .. } => {
+                live.insert(id, a.alloc::<u8>(bytes).map_err(|e| format!("{path}: {e}"))?);
+            }
+            mempool_bench::trace::TraceOp::Free { id } => drop(live.remove(&id)),
+        }
+    }
+    let stats = pool.memory_stats();
+    // An empty capture has no graph: that is all right here (only the pool is measured).
+    let graph = capture.end().ok();
+    out!(
+        "{} graph {name} events={} pool_reserved={} pool_peak_reserved={} live={}",
+        if expandable { "mempool_expand" } else { "mempool" },
+        ops.len(),
+        stats.reserved_bytes.current,
+        stats.reserved_bytes.peak,
+        live.len()
+    );
+    drop((live, graph, pool));
+    Ok(())
+}
+
+/// `graph-launch`: the cost of a replay through mempool's `Graph` and through cudarc.
+fn graph_launch(a: &Allocator<mempool::Cuda>) -> Result<(), String> {
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let s = a.context().new_stream().map_err(|x| e(&x))?;
+    let _on = a.set_stream(&s).map_err(|x| e(&x))?;
+    let pool = MemPool::on(a, PoolOptions::new()).map_err(|x| e(&x))?;
+    let capture = a.begin_capture(&s, &pool, mempool::CaptureMode::Global).map_err(|x| e(&x))?;
+    let mut kept = Vec::new();
+    for i in 0..64 {
+        let b = a.alloc_zeros::<u8>(4096).map_err(|x| e(&x))?;
+        if i % 2 == 0 {
+            kept.push(b);
+        }
+    }
+    let graph = capture.end().map_err(|x| e(&x))?;
+    let inner = graph.inner().ok_or("no graph")?;
+    const N: u32 = 10_000;
+    for _ in 0..2 {
+        let t = Instant::now();
+        for _ in 0..N {
+            // SAFETY: the graph only zero-fills buffers of its own pool (`kept` and its
+            // temporaries); nothing else uses them.
+            unsafe { graph.replay() }.map_err(|x| e(&x))?;
+        }
+        s.synchronize().map_err(|x| e(&x))?;
+        let ours = t.elapsed().as_nanos() as f64 / f64::from(N);
+        let t = Instant::now();
+        for _ in 0..N {
+            inner.launch().map_err(|x| e(&x))?;
+        }
+        s.synchronize().map_err(|x| e(&x))?;
+        let theirs = t.elapsed().as_nanos() as f64 / f64::from(N);
+        out!("mempool graph_launch replay_ns={ours:.1} cudarc_launch_ns={theirs:.1}");
+    }
+    drop((kept, graph, pool));
+    Ok(())
+}
+
 /// The sizes the `threads` workload cycles through.
 const THREAD_SIZES: [usize; 4] = [512, 4096, 64 << 10, 1 << 20];
 
@@ -293,12 +391,13 @@ fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String], mut streams: Stream
             Ok(())
         }
         "threads" => threads(&a, args, &mut streams),
+        "graph" if !args.is_empty() => args.iter().try_for_each(|t| graph(&a, t, &mut streams)),
         _ => Err(usage()),
     }
 }
 
 fn usage() -> String {
-    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]".into()
+    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]\n       mempool-bench graph <trace>... [--backend sim|cuda]\n       mempool-bench graph-launch".into()
 }
 
 fn main() -> ExitCode {
@@ -333,6 +432,7 @@ fn main() -> ExitCode {
         }
     };
     let r = match backend.as_str() {
+        "cuda" if cmd == "graph-launch" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| graph_launch(&a)),
         "cuda" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| {
             let ctx = a.context().clone();
             let default = ctx.default_stream();

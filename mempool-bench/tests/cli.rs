@@ -58,3 +58,38 @@ fn threads_refuses_unknown_options() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("usage"));
 }
+
+/// `mempool graph <trace> events=<n> pool_reserved=<b> pool_peak_reserved=<b> live=<n>`: the
+/// capture's pool holds every byte it reserved (nothing goes back during a capture), and the
+/// trace's allocations never freed are still live.
+#[test]
+fn graph_prints_the_capture_pools_reserved_bytes() {
+    if binary().is_none() {
+        return;
+    }
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../traces/transformer_train.trace");
+    let text = std::fs::read_to_string(trace).expect("recorded trace");
+    let ops = mempool_bench::trace::parse_trace(&text).expect("parses");
+    let allocs: std::collections::HashSet<u64> = ops
+        .iter()
+        .filter_map(|o| match o {
+            mempool_bench::trace::TraceOp::Alloc { id, .. } => Some(*id),
+            _ => None,
+        })
+        .collect();
+    let freed = ops.iter().filter(|o| matches!(o, mempool_bench::trace::TraceOp::Free { .. })).count();
+    let out = run(&["graph", trace]);
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{out}");
+    assert!(lines[1].starts_with("mempool_expand graph transformer_train.trace "), "{out}");
+    let w: Vec<&str> = lines[0].split_whitespace().collect();
+    assert_eq!(w.len(), 7, "{out}");
+    assert_eq!((w[0], w[1], w[2]), ("mempool", "graph", "transformer_train.trace"));
+    let field = |i: usize, k: &str| -> u64 {
+        w[i].strip_prefix(k).and_then(|v| v.strip_prefix('=')).expect(k).parse().expect("a number")
+    };
+    assert_eq!(field(3, "events"), ops.len() as u64);
+    let (reserved, peak) = (field(4, "pool_reserved"), field(5, "pool_peak_reserved"));
+    assert!(reserved > 0 && reserved == peak, "{out}");
+    assert_eq!(field(6, "live"), (allocs.len() - freed) as u64, "{out}");
+}
