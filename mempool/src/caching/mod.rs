@@ -30,7 +30,7 @@ mod tcache;
 
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 use crate::backend::{contain, Backend, BackendError, Keep};
@@ -135,6 +135,10 @@ pub(crate) struct DeviceAllocator {
     closing: AtomicBool,
     /// Graph captures under way (`capture.rs`); changed under the lock.
     capturing: AtomicUsize,
+    /// The outbox items that calls made from inside the outbox's own run (a hook or a pool
+    /// allocator calling back on the running thread) queued: the run delivers them too before
+    /// it stops, as those calls cannot wait for themselves.
+    nested_target: AtomicU64,
 }
 
 /// The state, locked, with its statistics sink pointed at the calling thread's counters (or at
@@ -228,6 +232,7 @@ impl DeviceAllocator {
             has_error: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             capturing: AtomicUsize::new(0),
+            nested_target: AtomicU64::new(0),
         }
     }
 
@@ -334,6 +339,8 @@ impl DeviceAllocator {
     #[cold]
     fn flush(&self, wait: bool, target: u64) {
         if running_here(self.id) {
+            // This thread's run, further up the stack, delivers it before it stops.
+            self.nested_target.fetch_max(target, Ordering::AcqRel);
             return;
         }
         let since = std::time::Instant::now();
@@ -372,14 +379,16 @@ impl DeviceAllocator {
                         std::mem::forget(p);
                     }
                 }
-                if done >= target && started.elapsed() > OUTBOX_EXTRA {
+                let ours = target.max(self.nested_target.load(Ordering::Acquire));
+                if done >= ours && started.elapsed() > OUTBOX_EXTRA {
                     break;
                 }
             }
             drop(_running);
             drop(guard);
             // Our work is done; what others queued meanwhile their next call (or any call) runs.
-            if done >= target || !self.has_work.load(Ordering::Acquire) {
+            let ours = target.max(self.nested_target.load(Ordering::Acquire));
+            if done >= ours || !self.has_work.load(Ordering::Acquire) {
                 return;
             }
         }
