@@ -97,6 +97,22 @@ impl<K: Kind> Allocator<K> {
             .begin_capture(K::stream_ref(stream), pool.inner.pool, || K::begin_capture(shared, stream, mode))?;
         Ok(Capture { stream: stream.clone(), pool: pool.clone(), id, ended: false, _not_send: PhantomData })
     }
+
+    /// Captures what `f` does on `stream` into a graph, its allocations from `pool`: the scoped
+    /// form of [`begin_capture`](Self::begin_capture), whose capture always ends (if `f`
+    /// panics, the capture is discarded and the panic goes on). Returns the graph and `f`'s
+    /// result.
+    pub fn capture<R>(
+        &self,
+        stream: &K::Stream,
+        pool: &MemPool<K>,
+        mode: CaptureMode,
+        f: impl FnOnce() -> R,
+    ) -> Result<(Graph<K>, R)> {
+        let capture = self.begin_capture(stream, pool, mode)?;
+        let r = f();
+        Ok((capture.end()?, r))
+    }
 }
 
 impl<K: Kind> Capture<K> {

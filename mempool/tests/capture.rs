@@ -317,3 +317,24 @@ fn a_graph_keeps_its_pools_memory_through_empty_cache_and_out_of_memory() {
     assert!(sim.live_segments().is_empty(), "the pool kept its memory after the graph went");
     check_invariants(&a, Some(&sim));
 }
+
+#[test]
+fn the_scoped_form_ends_its_capture_even_when_the_closure_panics() {
+    let (sim, a) = setup();
+    let s = sim.new_stream();
+    let _cur = a.set_stream(&s).unwrap();
+    let p = pool(&a);
+    let (g, b) = a.capture(&s, &p, CaptureMode::Global, || a.alloc::<u8>(MIB).unwrap()).unwrap();
+    assert_eq!(in_pool(g.pool()), MIB as i64);
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = a.capture(&s, &p, CaptureMode::Global, || -> () { panic!("in the capture") });
+    }));
+    assert!(panicked.is_err());
+    // The capture was discarded: the stream captures no more, memory can go back.
+    assert!(a.empty_cache().is_ok());
+    let c = a.alloc::<u8>(MIB).unwrap();
+    assert_eq!(in_pool(&p), MIB as i64, "an allocation after the panicked capture went to its pool");
+    drop((b, c, g));
+    assert!(sim.capture_violations().is_empty());
+    check_invariants(&a, Some(&sim));
+}
