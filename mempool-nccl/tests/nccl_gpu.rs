@@ -440,3 +440,46 @@ fn last_communicator_dropped_inside_a_hook() {
         pool.empty_cache().unwrap();
     });
 }
+
+/// An NCCL pool as a graph's pool: a registered `nccl_pool`, grown before the capture (as a
+/// warm-up step does), serves a capture of a memset and an all-reduce on every GPU; replays
+/// give the reduced values each time and allocate nothing.
+#[test]
+#[ignore = "needs CUDA GPUs and NCCL"]
+fn all_reduce_captured_in_a_graph_on_an_nccl_pool() {
+    let world = gpus();
+    on_every_gpu(move |comm| {
+        let alloc = Allocator::cuda(comm.device()).unwrap();
+        let s = alloc.context().new_stream().unwrap();
+        let _cur = alloc.set_stream(&s).unwrap();
+        let pool = nccl_pool(comm.device()).unwrap();
+        let reg = comm.register_pool(&pool).unwrap();
+        let n = 1 << 20;
+        // Warm-up outside the capture: the communicator's first collective, and the pool's segment.
+        let mut warm = filled(&pool, &s, 1i32, n);
+        comm.all_reduce_in_place(&mut warm, ReduceOp::Sum, &s).unwrap();
+        s.synchronize().unwrap();
+        drop(warm);
+        let segments = alloc.memory_stats().segment.all.allocated;
+        let cap = alloc.begin_capture(&s, &pool, mempool::CaptureMode::ThreadLocal).unwrap();
+        let mut x = alloc.alloc::<i32>(n).unwrap();
+        // SAFETY: the range is exactly the buffer's, written on its own stream.
+        unsafe { cudarc::driver::result::memset_d8_async(x.device_ptr_raw(), 1, n * 4, s.cu_stream()) }.unwrap();
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum, &s).unwrap();
+        let graph = cap.end().unwrap();
+        assert_eq!(pool.memory_stats().allocated_bytes.current, (n * 4) as i64);
+        // SAFETY: as above.
+        unsafe { cudarc::driver::result::memset_d8_async(x.device_ptr_raw(), 0, n * 4, s.cu_stream()) }.unwrap();
+        for _ in 0..20 {
+            // SAFETY: `x` is alive and only read after the replays; no other graph shares the pool.
+            unsafe { graph.replay() }.unwrap();
+        }
+        s.synchronize().unwrap();
+        let got = s.clone_dtoh(&x).unwrap();
+        let want = 0x0101_0101i32.wrapping_mul(world as i32);
+        assert!(got.iter().all(|&v| v == want), "{} != {want}", got[0]);
+        assert_eq!(alloc.memory_stats().segment.all.allocated, segments, "the capture or a replay made a segment");
+        assert!(reg.take_errors().is_empty(), "{:?}", reg.take_errors());
+        drop((x, graph, reg, pool));
+    });
+}

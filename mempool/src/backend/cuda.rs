@@ -74,12 +74,14 @@ fn relaxed<T>(f: impl FnOnce() -> T) -> T {
     let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: `mode` is an in/out parameter holding a valid mode; the previous mode is put back.
     let swapped = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) } == CUresult::CUDA_SUCCESS;
-    let r = f();
-    if swapped {
-        // SAFETY: as above, with the mode this thread had.
-        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
-    }
-    r
+    // Put back even if `f` panics (a pool allocator's panic is caught further up).
+    let _back = scopeguard::guard(mode, move |mut mode| {
+        if swapped {
+            // SAFETY: as above, with the mode this thread had.
+            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        }
+    });
+    f()
 }
 
 fn check(r: CUresult) -> Result<(), BackendError> {
@@ -202,6 +204,10 @@ unsafe impl Backend for CudaBackend {
         // SAFETY: the context is current; the segment is owned by the caching allocator until
         // `free_segment`. Relaxed: `cuMemAlloc` is allowed while this thread captures a graph.
         relaxed(|| unsafe { result::malloc_sync(size) }).map_err(failed)
+    }
+
+    fn with_relaxed_capture(&self, f: &mut dyn FnMut()) {
+        relaxed(f)
     }
 
     unsafe fn capture_id(&self, stream: StreamId) -> Result<Option<u64>, BackendError> {

@@ -126,6 +126,12 @@ pub unsafe trait Backend: Send + Sync + 'static {
         Ok(None)
     }
 
+    /// Runs `f` with this thread's graph-capture mode relaxed (CUDA: calls a capture otherwise
+    /// refuses, such as a pool allocator's, are then allowed). The default just runs it.
+    fn with_relaxed_capture(&self, f: &mut dyn FnMut()) {
+        f()
+    }
+
     /// Virtual memory management, for expandable segments: the page size that
     /// [`map`](Backend::map) works in (addresses and sizes are multiples of it), or `None` when
     /// the device has none (the default; expandable segments are then refused at configuration).

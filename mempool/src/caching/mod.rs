@@ -614,6 +614,15 @@ impl DeviceAllocator {
                         let seg_keep = keep.take().unwrap_or_else(|| (req.keep)());
                         let r = contain("the pool allocator", || match &source {
                             Source::Backend => be.alloc_segment(size, req.stream.raw),
+                            // During a graph capture, relaxed: the pool's allocator may make
+                            // calls the capture would otherwise refuse (`ncclMemAlloc`).
+                            Source::Pool(a) if self.capturing() => {
+                                let mut r = None;
+                                be.with_relaxed_capture(&mut || {
+                                    r = Some(crate::backend::as_source(|| a.alloc(size, be.device(), req.stream.raw)))
+                                });
+                                r.unwrap_or_else(|| Err(BackendError::Failed("the relaxed call did not run".into())))
+                            }
                             Source::Pool(a) => crate::backend::as_source(|| a.alloc(size, be.device(), req.stream.raw)),
                         });
                         st = self.lock();
