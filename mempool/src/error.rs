@@ -107,6 +107,8 @@ pub struct OomReport {
     pub limit: Option<usize>,
     /// For a user pool: its id and its allocator's name.
     pub pool: Option<(u64, String)>,
+    /// A CUDA-graph capture was under way: cached memory was not given back to retry.
+    pub during_capture: bool,
 }
 
 impl fmt::Display for OomReport {
@@ -137,6 +139,12 @@ impl fmt::Display for OomReport {
             bytes(self.allocated),
             bytes(cached)
         )?;
+        if self.during_capture {
+            write!(
+                f,
+                " A CUDA graph capture is under way on this device: cached memory is not given back during a capture (empty_cache before capturing, or capture a smaller graph)."
+            )?;
+        }
         write!(f, " Free buffers you no longer need")?;
         if cached > self.requested / 4 && cached > 0 {
             write!(

@@ -299,6 +299,7 @@ impl State {
             reserved: self.stats.reserved_bytes.current() as usize,
             limit: self.limit,
             pool: (pool != Slot::DEFAULT).then(|| (spec.id.0, spec.name.clone())),
+            during_capture: !self.captures.is_empty(),
         }))
     }
 
