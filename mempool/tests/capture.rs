@@ -339,3 +339,24 @@ fn the_scoped_form_ends_its_capture_even_when_the_closure_panics() {
     assert!(sim.capture_violations().is_empty());
     check_invariants(&a, Some(&sim));
 }
+
+#[test]
+fn a_use_on_oom_pool_lends_nothing_while_a_graph_holds_it() {
+    let sim = SimDevice::new(64 * MIB);
+    let a = Allocator::sim(sim.clone());
+    let s = sim.new_stream();
+    let _cur = a.set_stream(&s).unwrap();
+    let lender = MemPool::on(&a, PoolOptions::new().use_on_oom(true)).unwrap();
+    let cap = a.begin_capture(&s, &lender, CaptureMode::Global).unwrap();
+    // A graph temporary: 40 MiB of the pool's memory, free again when the capture ends.
+    drop(a.alloc::<u8>(40 * MIB).unwrap());
+    let g = cap.end().unwrap();
+    // A default-pool request that only the lender's free block could serve.
+    let err = a.alloc::<u8>(30 * MIB).unwrap_err();
+    assert!(matches!(err, Error::OutOfMemory(_)), "a graph's temporary memory was lent: {err}");
+    drop(g);
+    let b = a.alloc::<u8>(30 * MIB).unwrap();
+    assert_eq!(in_pool(&lender), 30 * MIB as i64, "lent once the graph is gone");
+    drop(b);
+    check_invariants(&a, Some(&sim));
+}

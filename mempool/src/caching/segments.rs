@@ -265,7 +265,9 @@ impl State {
         let lenders: Vec<Slot> = (1..self.pools.len() as u32)
             .map(Slot)
             .filter(|&p| {
-                self.pools[p.get()].live && !self.pools[p.get()].released && self.pools[p.get()].spec.use_on_oom
+                let p = &self.pools[p.get()];
+                // A pool a graph holds lends nothing: its free blocks are where replays write.
+                p.live && !p.released && p.spec.use_on_oom && p.pinned == 0
             })
             .collect();
         for p in lenders {
