@@ -211,6 +211,13 @@ fn last_handle_dropped_inside_a_hook_aborts_there_without_blocking() {
     .unwrap();
     let second = pool.alloc::<u8>(30 << 20).unwrap(); // a new segment: its hook event drops them
     assert!(dropped_in_hook.load(Ordering::SeqCst));
+    // Hooks are global: a delivery on another test's thread may hold a clone of the
+    // registration's hook (and so the handle) for a moment; the abort then runs when that
+    // delivery ends, on that thread. It must come, without a finalize.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while log.all().last().map(String::as_str) != Some("abort") && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     let log = log.all();
     assert_eq!(log.first().map(String::as_str), Some("register 0x630000000000"));
     assert_eq!(log.last().map(String::as_str), Some("abort"), "{log:?}");
