@@ -144,6 +144,27 @@ impl<K: Kind> Capture<K> {
         }
         self.ended = true;
         let shared = &*self.pool.inner.alloc.shared;
+        // The stream may no longer be in this capture: ended behind our back (cudarc's
+        // `end_capture` on the raw stream), and perhaps a newer capture begun on it, which is not
+        // ours to end.
+        match shared.core.stream_capture_id(K::stream_ref(&self.stream)) {
+            Ok(Some(id)) if id == self.id => {}
+            other => {
+                shared.core.end_capture(self.id, false);
+                let now = match other {
+                    Ok(Some(id)) => format!("capture {id}, another one,"),
+                    Ok(None) => "no capture".to_string(),
+                    Err(e) => return Err(e),
+                };
+                return Err(Error::Capture {
+                    what: "Capture::end",
+                    message: format!(
+                        "capture {} was ended outside this guard (the stream is in {now} now): no graph",
+                        self.id
+                    ),
+                });
+            }
+        }
         let r = K::end_capture(shared, &self.stream);
         let made = keep && matches!(r, Ok(Some(_)));
         shared.core.end_capture(self.id, made);

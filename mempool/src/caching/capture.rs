@@ -7,6 +7,11 @@
 //!
 //! `capturing` (the number of captures under way) is read without the lock on every
 //! allocation: when it is 0, the thread caches and the usual path run unchanged.
+//!
+//! Giving memory back runs outside the lock (the outbox's run), so the check that no capture is
+//! under way is made where it runs, not where it was queued: a free, unmap or reservation free
+//! reaching the run during a capture is held back until the last capture ends, and a capture
+//! begins only once the ones running (`State::freeing`) are done.
 
 use std::sync::atomic::Ordering;
 
@@ -20,6 +25,10 @@ pub(crate) struct Underway {
     pub(super) id: u64,
     pub(super) pool: PoolRef,
 }
+
+/// How long `begin_capture` waits for frees under way (a user's `free` that blocks on the
+/// capturing thread would otherwise hang both).
+const FREE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 fn refused(what: &'static str, message: impl Into<String>) -> Error {
     Error::Capture { what, message: message.into() }
@@ -36,7 +45,30 @@ impl DeviceAllocator {
         start: impl FnOnce() -> Result<()>,
     ) -> Result<u64> {
         let be = &*self.backend;
+        if super::releasing_here(self.id) {
+            return Err(refused(
+                "begin_capture",
+                "called while this thread gives memory of this allocator back (from a pool allocator's `free` or a map guard): a capture cannot begin inside a free",
+            ));
+        }
+        // No free, unmap or reservation free may run during the capture: wait for those under
+        // way outside the lock (later ones see the capture and wait for its end).
         let mut st = self.lock();
+        let since = std::time::Instant::now();
+        while st.freeing > 0 {
+            drop(st);
+            if since.elapsed() > FREE_PATIENCE {
+                return Err(refused(
+                    "begin_capture",
+                    format!(
+                        "a segment free of this allocator has been under way for {} s (a pool allocator's `free` or a map guard that does not return?): the capture cannot begin before it ends",
+                        FREE_PATIENCE.as_secs()
+                    ),
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_micros(20));
+            st = self.lock();
+        }
         if st.resolve(pool).is_none() {
             return Err(refused("begin_capture", format!("pool {} is released", pool.id.0)));
         }
@@ -90,6 +122,9 @@ impl DeviceAllocator {
                 st.record_uses(be, block, uses);
             }
             st.process_events(be);
+            // What reached the outbox's run during the captures goes back now.
+            let held = std::mem::take(&mut st.held_back);
+            st.outbox.extend(held);
             st.release_cached(|p| p.released);
         }
         self.unlock(st, true);
@@ -100,6 +135,13 @@ impl DeviceAllocator {
         let mut st = self.lock();
         unpin(&mut st, pool);
         self.unlock(st, false);
+    }
+
+    /// The id of the capture `stream` is in, if any.
+    pub(crate) fn stream_capture_id(&self, stream: StreamRef) -> Result<Option<u64>> {
+        // SAFETY: `stream` is a live stream of this device: the caller holds it.
+        unsafe { self.backend.capture_id(stream.raw) }
+            .map_err(|e| Error::Backend { op: "asking a stream's capture status", message: e.to_string() })
     }
 
     /// Whether a capture is under way on this device.

@@ -51,6 +51,31 @@ thread_local! {
     static RUNNING: RefCell<Vec<AllocatorId>> = const { RefCell::new(Vec::new()) };
 }
 
+thread_local! {
+    /// Allocators whose memory this thread is giving back now (a segment free, an unmap or a
+    /// reservation free under way, user code of a pool allocator or map guard included).
+    static RELEASING: std::cell::RefCell<Vec<AllocatorId>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether this thread is giving back `id`'s memory now (see [`RELEASING`]).
+pub(super) fn releasing_here(id: AllocatorId) -> bool {
+    RELEASING.try_with(|r| r.borrow().contains(&id)).unwrap_or(false)
+}
+
+/// Runs `f` as this thread giving back `id`'s memory.
+fn as_releasing<R>(id: AllocatorId, f: impl FnOnce() -> R) -> R {
+    let _ = RELEASING.try_with(|r| r.borrow_mut().push(id));
+    let _off = scopeguard::guard((), |()| {
+        let _ = RELEASING.try_with(|r| {
+            let mut r = r.borrow_mut();
+            if let Some(i) = r.iter().rposition(|x| *x == id) {
+                r.remove(i);
+            }
+        });
+    });
+    f()
+}
+
 /// Whether this thread is running `id`'s outbox (false on a thread whose locals are gone).
 fn running_here(id: AllocatorId) -> bool {
     RUNNING.try_with(|r| r.borrow().contains(&id)).unwrap_or(false)
@@ -395,8 +420,34 @@ impl DeviceAllocator {
     }
 
     fn run(&self, w: Work) {
+        // Memory goes back only while no capture is under way (the driver refuses a free or an
+        // unmap during a capture, and invalidates the capture): work queued before a capture
+        // began, or left behind by a slow hook, waits for its end. `freeing` counts the releases
+        // running outside the lock, for which `begin_capture` waits.
+        if matches!(w, Work::Free(_) | Work::Unmap(_) | Work::Unreserve(_) | Work::GiveBack(_)) {
+            let mut st = self.lock();
+            if !st.captures.is_empty() {
+                st.held_back.push(w);
+                return;
+            }
+            st.freeing += 1;
+            drop(st);
+            let _done = scopeguard::guard((), |()| self.lock().freeing -= 1);
+            as_releasing(self.id, || self.release(w));
+            return;
+        }
         match w {
             Work::Event(e) => trace::deliver(&e),
+            Work::Drop(x) => drop_user_code(x),
+            _ => {}
+        }
+    }
+
+    /// Gives back what `w` says (a segment, a mapping, a reservation); see [`run`](Self::run).
+    fn release(&self, w: Work) {
+        match w {
+            Work::Event(_) | Work::Drop(_) => {}
+            Work::GiveBack(g) => self.give_back_now(g),
             Work::Free(r) => {
                 let be = &*self.backend;
                 let res = contain("the segment free", || match &r.source {
@@ -425,7 +476,6 @@ impl DeviceAllocator {
                 // `Drop` is user code, or destroys a stream).
                 drop(leftover);
             }
-            Work::Drop(x) => drop_user_code(x),
             Work::Unmap(mut u) => {
                 let be = &*self.backend;
                 // The guard is let go of after the lock (its `Drop` is user code, and this may be
@@ -843,6 +893,13 @@ impl DeviceAllocator {
 
     /// Gives back a segment that was never taken into the cache.
     fn give_back(&self, source: &Source, addr: u64, size: usize, stream: StreamRef, keep: Option<Keep>) {
+        // Through `run`: held back while a capture is under way, counted in `freeing` otherwise.
+        self.run(Work::GiveBack(state::GiveBack { source: source.clone(), addr, size, stream, keep }));
+    }
+
+    fn give_back_now(&self, g: state::GiveBack) {
+        let state::GiveBack { source, addr, size, stream, keep } = g;
+        let source = &source;
         let be = &*self.backend;
         let r = contain("the segment free", || match source {
             // SAFETY: `addr`/`size` are exactly what this backend's `alloc_segment` just returned;
@@ -1104,6 +1161,11 @@ impl Drop for DeviceAllocator {
         for b in raw {
             st.free(be, b);
         }
+        // Nothing can be capturing any more (a capture holds its allocator): what was held back
+        // for captures goes with the rest.
+        st.captures.clear();
+        let held = std::mem::take(&mut st.held_back);
+        st.outbox.extend(held);
         st.synchronize_events(be);
         for p in &mut st.pools {
             p.released = true;

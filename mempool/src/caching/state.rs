@@ -208,6 +208,7 @@ impl std::fmt::Debug for Work {
             Work::Event(e) => write!(f, "Event({e})"),
             Work::Free(r) => write!(f, "Free({:#x}, {})", r.addr, r.size),
             Work::Drop(_) => f.write_str("Drop"),
+            Work::GiveBack(g) => write!(f, "GiveBack({:#x}, {})", g.addr, g.size),
             Work::Unmap(u) => write!(f, "Unmap({:#x}, {})", u.addr, u.size),
             Work::Unreserve(u) => write!(f, "Unreserve({:#x}, {})", u.addr, u.size),
         }
@@ -244,6 +245,18 @@ pub(super) enum Work {
     Free(Released),
     /// Let go of something whose `Drop` is user code (a retired pool's allocator).
     Drop(Box<dyn std::any::Any + Send>),
+    /// Give back a segment that was never added to the cache (its pool went while it was
+    /// being allocated, or its address is unusable).
+    GiveBack(GiveBack),
+}
+
+/// A segment to give back that the cache never held.
+pub(super) struct GiveBack {
+    pub(super) source: Source,
+    pub(super) addr: u64,
+    pub(super) size: usize,
+    pub(super) stream: crate::id::StreamRef,
+    pub(super) keep: Option<crate::backend::Keep>,
 }
 
 /// Everything behind the allocator's lock.
@@ -271,6 +284,13 @@ pub(super) struct State {
     /// Blocks freed during a capture after use on other streams: their events are recorded
     /// once no capture is under way (an event recorded on a captured stream is a graph node).
     pub(super) deferred: Vec<(BlockIdx, Vec<Use>)>,
+    /// Segment frees, unmaps and reservation frees that reached the outbox's run while a
+    /// capture was under way (queued before it began, or left behind by a slow hook): they run
+    /// once the last capture ends.
+    pub(super) held_back: Vec<Work>,
+    /// Frees, unmaps and reservation frees running outside the lock now: a capture begins only
+    /// when there are none (`begin_capture` waits), so none runs during a capture.
+    pub(super) freeing: u32,
     pub(super) raw: IdMap<u64, BlockIdx>,
     /// Streams other than its segment's that used a block (only blocks with `has_uses`).
     pub(super) uses: IdMap<BlockIdx, Vec<Use>>,
@@ -334,6 +354,8 @@ impl State {
             pending: Vec::new(),
             captures: Vec::new(),
             deferred: Vec::new(),
+            held_back: Vec::new(),
+            freeing: 0,
             raw: IdMap::default(),
             uses: IdMap::default(),
             stats: Counters::default(),
