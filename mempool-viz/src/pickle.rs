@@ -21,8 +21,8 @@ use std::collections::HashMap;
 pub(crate) enum Value {
     None,
     Bool(bool),
-    Int(i128),
-    /// An integer too wide for 128 bits (its magnitude is not kept).
+    Int(i64),
+    /// An integer too wide for 64 bits (its magnitude is not kept).
     BigInt,
     Float(f64),
     Str(u32),
@@ -141,7 +141,7 @@ impl Pickle {
     /// A non-negative integer (floats truncated, booleans 0/1); `None` for anything else.
     pub(crate) fn uint(&self, v: Value) -> Option<u64> {
         match v {
-            Value::Int(i) => Some(i.clamp(0, u64::MAX as i128) as u64),
+            Value::Int(i) => Some(i.max(0) as u64),
             Value::Bool(b) => Some(b as u64),
             Value::Float(f) if f.is_finite() && f >= 0.0 => Some(f as u64),
             _ => None,
@@ -327,12 +327,12 @@ impl Machine<'_> {
     }
 
     fn int_from_le(b: &[u8]) -> Value {
-        if b.len() > 16 {
+        if b.len() > 8 {
             return Value::BigInt;
         }
-        let mut buf = if b.last().is_some_and(|x| x & 0x80 != 0) { [0xffu8; 16] } else { [0u8; 16] };
+        let mut buf = if b.last().is_some_and(|x| x & 0x80 != 0) { [0xffu8; 8] } else { [0u8; 8] };
         buf[..b.len()].copy_from_slice(b);
-        Value::Int(i128::from_le_bytes(buf))
+        Value::Int(i64::from_le_bytes(buf))
     }
 
     fn tuple(&mut self, vals: Vec<Value>) -> Result<(), PickleError> {
@@ -389,7 +389,7 @@ impl Machine<'_> {
                 b'L' => {
                     let l = self.line_str()?;
                     let s = l.trim_end_matches('L');
-                    let v = s.parse::<i128>().map(Value::Int).or_else(|_| {
+                    let v = s.parse::<i64>().map(Value::Int).or_else(|_| {
                         if !s.is_empty() && s.trim_start_matches('-').bytes().all(|b| b.is_ascii_digit()) {
                             Ok(Value::BigInt)
                         } else {
@@ -401,15 +401,15 @@ impl Machine<'_> {
                 b'J' => {
                     let b = self.take(4)?;
                     let v = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-                    self.push(Value::Int(v as i128));
+                    self.push(Value::Int(v as i64));
                 }
                 b'K' => {
                     let v = self.uint_le(1)?;
-                    self.push(Value::Int(v as i128));
+                    self.push(Value::Int(v as i64));
                 }
                 b'M' => {
                     let v = self.uint_le(2)?;
-                    self.push(Value::Int(v as i128));
+                    self.push(Value::Int(v as i64));
                 }
                 0x8a | 0x8b => {
                     let n = self.uint_le(if op == 0x8a { 1 } else { 4 })?;

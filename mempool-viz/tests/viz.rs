@@ -100,3 +100,25 @@ fn expandable_memory_maps_and_unmaps_on_the_timeline() {
     assert!(String::from_utf8_lossy(&a.snapshot().to_pickle()).contains("segment_unmap"));
     assert_eq!(tl.points.last().unwrap().2, 0, "unmapped: nothing reserved");
 }
+
+#[inline(never)]
+fn embeddings_table(a: &Allocator<mempool::Sim>) -> mempool::Buffer<u8, mempool::Sim> {
+    a.alloc::<u8>(5 << 20).unwrap()
+}
+
+/// Our own stacks (`record_stacks`) reach the pickle's frames, PyTorch's layout: the reader
+/// names the Rust function and line as the site, and the page carries it.
+#[test]
+fn our_allocation_stacks_name_the_sites() {
+    mempool::stacks::record_stacks(mempool::StackMode::Full);
+    mempool::record_history(1000);
+    let a = Allocator::sim(SimDevice::new(1 << 30));
+    let b = embeddings_table(&a);
+    let view = SnapshotView::from_pickle(&a.snapshot().to_pickle()).unwrap();
+    let sites = view.top_sites(3);
+    assert!(!sites.is_empty());
+    assert!(sites[0].site.contains("embeddings_table") && sites[0].site.contains("viz.rs:"), "{sites:?}");
+    assert_eq!(sites[0].bytes, 5 << 20);
+    assert!(mempool_viz::html::page(&view, None, None).contains("embeddings_table"));
+    drop(b);
+}

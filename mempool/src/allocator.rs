@@ -51,7 +51,8 @@ fn shared<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Sh
     Shared::new(DeviceAllocator::new(backend, config, id), id.0, device, ext)
 }
 
-/// `MEMPOOL_RECORD_HISTORY` and `MEMPOOL_SNAPSHOT_ON_OOM`, read when the first allocator is made.
+/// `MEMPOOL_RECORD_HISTORY`, `MEMPOOL_RECORD_STACKS` and `MEMPOOL_SNAPSHOT_ON_OOM`, read when the
+/// first allocator is made.
 struct EnvSettings {
     snapshot_on_oom: Option<std::path::PathBuf>,
 }
@@ -61,6 +62,11 @@ fn env_settings() -> &'static EnvSettings {
     SETTINGS.get_or_init(|| {
         if let Some(n) = std::env::var("MEMPOOL_RECORD_HISTORY").ok().and_then(|v| v.trim().parse::<usize>().ok()) {
             crate::trace::record_history(n);
+        }
+        match std::env::var("MEMPOOL_RECORD_STACKS").as_deref().map(str::trim) {
+            Ok("sites") => crate::stacks::record_stacks(crate::stacks::StackMode::Sites),
+            Ok("full") => crate::stacks::record_stacks(crate::stacks::StackMode::Full),
+            _ => {}
         }
         EnvSettings { snapshot_on_oom: std::env::var_os("MEMPOOL_SNAPSHOT_ON_OOM").map(Into::into) }
     })

@@ -109,6 +109,10 @@ pub struct OomReport {
     pub pool: Option<(u64, String)>,
     /// A CUDA-graph capture was under way: cached memory was not given back to retry.
     pub during_capture: bool,
+    /// While stacks are recorded ([`record_stacks`](crate::record_stacks)): the allocation
+    /// sites holding the most memory of this allocator, largest first (at most five), with
+    /// their live bytes.
+    pub sites: Vec<(String, usize)>,
 }
 
 impl fmt::Display for OomReport {
@@ -144,6 +148,13 @@ impl fmt::Display for OomReport {
                 f,
                 " A CUDA graph capture is under way on this device: cached memory is not given back during a capture (empty_cache before capturing, or capture a smaller graph)."
             )?;
+        }
+        if !self.sites.is_empty() {
+            write!(f, " The largest live allocation sites:")?;
+            for (i, (site, n)) in self.sites.iter().enumerate() {
+                write!(f, "{} {} ({})", if i == 0 { "" } else { ";" }, site, bytes(*n))?;
+            }
+            write!(f, ".")?;
         }
         write!(f, " Free buffers you no longer need")?;
         if cached > self.requested / 4 && cached > 0 {

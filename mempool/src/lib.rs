@@ -60,6 +60,7 @@ pub mod pool;
 pub mod rules;
 pub mod scope;
 pub mod snapshot;
+pub mod stacks;
 pub mod stats;
 pub mod stream;
 mod sync;
@@ -77,6 +78,7 @@ pub use id::{AllocatorId, EventId, PoolId, StreamId};
 pub use pool::{MemPool, PoolOptions};
 pub use scope::{PoolScope, ScopeHandle, Scoped};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
+pub use stacks::{record_stacks, StackMode};
 pub use stats::{MemoryStats, PoolStats, Stat, StatArray};
 pub use stream::StreamGuard;
 

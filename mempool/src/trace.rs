@@ -94,6 +94,9 @@ pub struct TraceEntry {
     pub stream: StreamId,
     /// Microseconds since the Unix epoch.
     pub time_us: u64,
+    /// Where the block was allocated (`alloc`, `free_requested`, `free_completed`), when stacks
+    /// are recorded ([`record_stacks`](crate::record_stacks)); 0 otherwise.
+    pub stack: crate::stacks::StackId,
 }
 
 impl TraceEntry {
@@ -107,7 +110,7 @@ impl TraceEntry {
         stream: StreamId,
     ) -> TraceEntry {
         let time_us = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-        TraceEntry { action, allocator, device, pool, addr, size, stream, time_us }
+        TraceEntry { action, allocator, device, pool, addr, size, stream, time_us, stack: 0 }
     }
 }
 
@@ -206,6 +209,16 @@ pub fn record_history(max_entries: usize) {
 pub fn history(allocator: Option<AllocatorId>) -> Vec<TraceEntry> {
     let h = HISTORY.lock().unwrap_or_else(|p| p.into_inner());
     h.entries.iter().filter(|e| allocator.is_none_or(|a| e.allocator == a)).copied().collect()
+}
+
+/// Stack recording turned on or off: it counts as a listener (every allocation then passes the
+/// shared state, where its stack is recorded).
+pub(crate) fn stacks_changed(on: bool) {
+    if on {
+        ACTIVE.fetch_add(1, Ordering::Relaxed);
+    } else {
+        ACTIVE.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Whether anything listens (one relaxed load).

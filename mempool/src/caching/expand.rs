@@ -293,6 +293,7 @@ impl State {
                 state: BlockState::Free,
                 has_uses: false,
                 pending: 0,
+                stack: 0,
             });
             self.block_mut(last).next = Some(b);
             self.insert_free(b);
@@ -436,6 +437,7 @@ impl State {
                 state: BlockState::Free,
                 has_uses: false,
                 pending: 0,
+                stack: 0,
             });
             if let Some(n) = next {
                 self.block_mut(n).prev = Some(r);

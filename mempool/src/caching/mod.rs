@@ -1131,6 +1131,11 @@ impl DeviceAllocator {
                         size: blk.size,
                         requested_size: if blk.state == BlockState::Free { 0 } else { blk.requested },
                         state: blk.state,
+                        stack: if blk.state == BlockState::Free || !crate::stacks::current(blk.stack) {
+                            0
+                        } else {
+                            blk.stack
+                        },
                     })
                     .collect(),
             })

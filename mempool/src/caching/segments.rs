@@ -83,6 +83,7 @@ impl State {
             state: BlockState::Free,
             has_uses: false,
             pending: 0,
+            stack: 0,
         });
         self.segments[seg_idx.0 as usize].head = Some(block);
         self.set_segments[set.0 as usize] += 1;
@@ -302,7 +303,36 @@ impl State {
             limit: self.limit,
             pool: (pool != Slot::DEFAULT).then(|| (spec.id.0, spec.name.clone())),
             during_capture: !self.captures.is_empty(),
+            sites: self.top_sites(5),
         }))
+    }
+
+    /// The allocation sites of the live blocks holding the most bytes (while stacks are
+    /// recorded): summed per stack under the lock, resolved (symbols) for the top `n` only.
+    fn top_sites(&self, n: usize) -> Vec<(String, usize)> {
+        if !crate::stacks::on() {
+            return Vec::new();
+        }
+        let mut by: std::collections::HashMap<crate::stacks::StackId, usize> = std::collections::HashMap::new();
+        for s in self.segments.iter().filter(|s| s.live) {
+            for b in self.blocks_of(s) {
+                if b.state == crate::snapshot::BlockState::Allocated && crate::stacks::current(b.stack) {
+                    *by.entry(b.stack).or_default() += b.size;
+                }
+            }
+        }
+        // Stacks of one site (different callers) are summed under it.
+        let mut sites: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+        let mut stacks: Vec<(crate::stacks::StackId, usize)> = by.into_iter().collect();
+        stacks.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        for (id, bytes) in stacks.into_iter().take(64) {
+            let site = crate::stacks::site(id).unwrap_or_else(|| "(unknown)".into());
+            *sites.entry(site).or_default() += bytes;
+        }
+        let mut out: Vec<(String, usize)> = sites.into_iter().collect();
+        out.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+        out.truncate(n);
+        out
     }
 
     pub(super) fn alloc_failed(&self, pool: Slot, message: String) -> Error {

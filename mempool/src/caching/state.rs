@@ -149,6 +149,9 @@ pub(super) struct Block {
     pub(super) has_uses: bool,
     /// Events still to complete before the block is free.
     pub(super) pending: u32,
+    /// Where it was last allocated, while stacks are recorded (`stacks::current` tells whether
+    /// it is this allocation's).
+    pub(super) stack: crate::stacks::StackId,
 }
 
 impl Block {
@@ -404,10 +407,19 @@ impl State {
 
     /// Queues `action` on `block` for the trace hooks (the caller checked `trace::enabled`).
     pub(super) fn emit(&mut self, action: Action, block: BlockIdx) {
+        let stack = if action == Action::Alloc {
+            let s = crate::stacks::capture();
+            self.block_mut(block).stack = s;
+            s
+        } else {
+            self.block(block).stack
+        };
         let b = self.block(block);
         let stream = self.seg(b.seg).stream.raw;
         let (pool, addr, size) = (self.pools[b.pool.get()].spec.id, b.addr, b.size);
-        self.emit_entry(action, pool, addr, size, stream);
+        let mut e = TraceEntry::new(action, self.allocator, self.device, pool, addr, size, stream);
+        e.stack = stack;
+        self.outbox.push(Work::Event(e));
     }
 
     pub(super) fn emit_entry(
@@ -551,6 +563,7 @@ impl State {
                 state: BlockState::Free,
                 has_uses: false,
                 pending: 0,
+                stack: 0,
             };
             let next = b.next;
             let r = self.new_block(rest);

@@ -29,6 +29,8 @@ pub struct BlockSnapshot {
     pub requested_size: usize,
     /// Allocated, awaiting other streams, or free.
     pub state: BlockState,
+    /// Where it was allocated ([`crate::stacks::frames`]), when stacks are recorded; else 0.
+    pub stack: crate::stacks::StackId,
 }
 
 /// One segment: a piece of memory obtained from the device in one call.

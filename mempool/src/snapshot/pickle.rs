@@ -10,9 +10,10 @@ use super::{BlockState, Snapshot};
 use crate::error::{Error, Result};
 
 // The layout of `torch.cuda.memory._snapshot()`, which PyTorch's `_memory_viz` and its web
-// viewer read: field names and strings are theirs. Frames are empty: we record no stacks.
+// viewer read: field names and strings are theirs. Frames are the allocation stacks where they
+// were recorded (`record_stacks`), resolved here, each distinct stack once.
 
-#[derive(Serialize)]
+#[derive(Serialize, Clone)]
 struct PyFrame {
     filename: String,
     line: u64,
@@ -71,8 +72,30 @@ struct AllocatorSettings {
     backend: &'static str,
 }
 
+/// Resolves stacks for the pickle, each once.
+#[derive(Default)]
+struct Frames(std::collections::HashMap<crate::stacks::StackId, Vec<PyFrame>>);
+
+impl Frames {
+    fn of(&mut self, id: crate::stacks::StackId) -> Vec<PyFrame> {
+        if id == 0 {
+            return Vec::new();
+        }
+        self.0
+            .entry(id)
+            .or_insert_with(|| {
+                crate::stacks::frames(id)
+                    .into_iter()
+                    .map(|f| PyFrame { filename: f.filename, line: f.line as u64, name: f.name })
+                    .collect()
+            })
+            .clone()
+    }
+}
+
 impl Snapshot {
     fn to_py(&self) -> PySnapshot {
+        let mut frames = Frames::default();
         let segments = self
             .segments
             .iter()
@@ -100,7 +123,7 @@ impl Snapshot {
                             BlockState::AwaitingStreams => "active_pending_free",
                             BlockState::Free => "inactive",
                         },
-                        frames: Vec::new(),
+                        frames: frames.of(b.stack),
                     })
                     .collect(),
             })
@@ -115,7 +138,7 @@ impl Snapshot {
                 size: e.size,
                 stream: e.stream.0,
                 time_us: e.time_us,
-                frames: Vec::new(),
+                frames: frames.of(e.stack),
                 pool_id: e.pool.0,
                 device_free: (e.action == crate::trace::Action::Oom).then_some(0),
             })

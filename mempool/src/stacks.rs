@@ -1,0 +1,189 @@
+//! Where each allocation came from: call stacks recorded with the history, as PyTorch's
+//! `_record_memory_history(stacks=...)` records them.
+//!
+//! Recording is cheap: the stack is unwound to raw return addresses (no symbols) and interned,
+//! so an allocation made again from the same place costs one hash lookup more, and the entry
+//! carries a 4-byte [`StackId`]. Symbols are resolved only when someone looks (a snapshot's
+//! pickle, an out-of-memory report), and each address once.
+//!
+//! Stacks are recorded while history or a hook is on ([`record_history`](crate::record_history),
+//! [`trace::attach`](crate::trace::attach)) and [`record_stacks`] says so; the allocation path
+//! then goes through the shared state (no thread cache), as it does for every traced event.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{LazyLock, Mutex};
+
+/// Which stacks to record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StackMode {
+    /// None (the default).
+    #[default]
+    None,
+    /// The allocation site only: the innermost frame outside mempool and the standard library.
+    Sites,
+    /// The whole stack from the allocation site outwards.
+    Full,
+}
+
+/// A recorded stack (0: none).
+pub type StackId = u32;
+
+/// One resolved frame.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Frame {
+    /// The function (demangled, without its hash).
+    pub name: String,
+    /// The source file, or empty when unknown.
+    pub filename: String,
+    /// The line, or 0 when unknown.
+    pub line: u32,
+}
+
+static MODE: AtomicU8 = AtomicU8::new(0);
+
+struct Table {
+    /// Stack `i` (1-based ids) as return addresses, innermost first.
+    stacks: Vec<Box<[usize]>>,
+    /// Interning of the stacks recorded since recording was last turned on.
+    index: HashMap<Box<[usize]>, StackId>,
+    /// Ids below this were recorded before recording was last turned on.
+    epoch_start: StackId,
+    /// Resolved frames per address (inlined functions give several).
+    resolved: HashMap<usize, Vec<Frame>>,
+}
+
+static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(|| {
+    Mutex::new(Table { stacks: Vec::new(), index: HashMap::new(), epoch_start: 1, resolved: HashMap::new() })
+});
+
+fn table() -> std::sync::MutexGuard<'static, Table> {
+    TABLE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Records `mode` stacks with every allocation from now on (with history or hooks on; see the
+/// module's documentation). `MEMPOOL_RECORD_STACKS=sites|full` does the same when the first
+/// allocator is made. Turning it on again starts afresh: a block allocated while it was off
+/// shows no stack.
+pub fn record_stacks(mode: StackMode) {
+    let was = MODE.swap(mode as u8, Ordering::AcqRel);
+    let on = mode != StackMode::None;
+    if on && was == 0 {
+        let mut t = table();
+        t.index.clear();
+        t.epoch_start = t.stacks.len() as StackId + 1;
+    }
+    if on != (was != 0) {
+        crate::trace::stacks_changed(on);
+    }
+}
+
+/// The mode now.
+pub fn stack_mode() -> StackMode {
+    match MODE.load(Ordering::Relaxed) {
+        1 => StackMode::Sites,
+        2 => StackMode::Full,
+        _ => StackMode::None,
+    }
+}
+
+#[inline]
+pub(crate) fn on() -> bool {
+    MODE.load(Ordering::Relaxed) != 0
+}
+
+/// Unwinds the calling thread's stack and interns it (0 when recording is off).
+#[cold]
+pub(crate) fn capture() -> StackId {
+    if !on() {
+        return 0;
+    }
+    let mut ips: Vec<usize> = Vec::with_capacity(48);
+    backtrace::trace(|f| {
+        ips.push(f.ip() as usize);
+        ips.len() < 96
+    });
+    let ips = ips.into_boxed_slice();
+    let mut t = table();
+    if let Some(id) = t.index.get(&ips) {
+        return *id;
+    }
+    t.stacks.push(ips.clone());
+    let id = t.stacks.len() as StackId;
+    t.index.insert(ips, id);
+    id
+}
+
+/// Whether `id` was recorded since recording was last turned on (a block's older stack may be
+/// another allocation's).
+pub(crate) fn current(id: StackId) -> bool {
+    id != 0 && on() && id >= table().epoch_start
+}
+
+/// Frames of mempool itself, the unwinder and the standard library at the top of a stack.
+fn machinery(name: &str) -> bool {
+    let n = name.trim_start_matches('<');
+    ["mempool::", "backtrace::", "std::", "core::", "alloc::", "scopeguard::", "__rust", "rust_"]
+        .iter()
+        .any(|p| n.starts_with(p))
+        || n.is_empty()
+}
+
+/// The frames of stack `id` as the mode says (sites: one frame), innermost first, from the
+/// allocation site outwards (mempool's own frames left out).
+pub fn frames(id: StackId) -> Vec<Frame> {
+    frames_as(id, stack_mode())
+}
+
+pub(crate) fn frames_as(id: StackId, mode: StackMode) -> Vec<Frame> {
+    let ips = {
+        let t = table();
+        match id.checked_sub(1).and_then(|i| t.stacks.get(i as usize)) {
+            Some(s) => s.clone(),
+            None => return Vec::new(),
+        }
+    };
+    let mut out = Vec::new();
+    for ip in ips.iter() {
+        let known = table().resolved.get(ip).cloned();
+        let fs = match known {
+            Some(f) => f,
+            None => {
+                let mut fs = Vec::new();
+                // Return addresses point after the call: look up the call itself.
+                backtrace::resolve(ip.saturating_sub(1) as *mut std::ffi::c_void, |s| {
+                    fs.push(Frame {
+                        name: s.name().map_or_else(|| format!("{ip:#x}"), |n| format!("{n:#}")),
+                        filename: s.filename().map_or_else(String::new, |p| p.display().to_string()),
+                        line: s.lineno().unwrap_or(0),
+                    });
+                });
+                if fs.is_empty() {
+                    fs.push(Frame { name: format!("{ip:#x}"), filename: String::new(), line: 0 });
+                }
+                table().resolved.insert(*ip, fs.clone());
+                fs
+            }
+        };
+        out.extend(fs);
+    }
+    // From the first frame that is not the allocator's (or the unwinder's) own.
+    let start = out.iter().position(|f| !machinery(&f.name)).unwrap_or(out.len());
+    out.drain(..start);
+    if mode == StackMode::Sites {
+        out.truncate(1);
+    }
+    out
+}
+
+/// The allocation site of stack `id`: its innermost frame outside mempool and the standard
+/// library, as `function (file:line)`.
+pub fn site(id: StackId) -> Option<String> {
+    frames_as(id, StackMode::Sites).into_iter().next().map(|f| {
+        if f.line > 0 && !f.filename.is_empty() {
+            format!("{} ({}:{})", f.name, f.filename, f.line)
+        } else {
+            f.name
+        }
+    })
+}
