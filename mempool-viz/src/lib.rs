@@ -343,12 +343,18 @@ impl SnapshotView {
                 .iter()
                 .copied()
                 .filter(|b| p.is_dict(*b))
-                .map(|b| Block {
-                    address: num(p.get(b, "address")),
-                    size: num(p.get(b, "size")),
-                    requested_size: num(p.get(b, "requested_size")),
-                    state: p.get(b, "state").and_then(|x| p.text(x)).unwrap_or_default().into_owned(),
-                    stack: interner.stack(&p, p.get(b, "frames")),
+                .map(|b| {
+                    // PyTorch 2.0 kept a block's allocation in `history` (`real_size`, `frames`)
+                    // rather than `requested_size` and `frames`.
+                    let last = p.get(b, "history").and_then(|h| p.items(h).last().copied());
+                    let from_history = |k: &str| last.and_then(|h| p.get(h, k));
+                    Block {
+                        address: num(p.get(b, "address").or_else(|| from_history("addr"))),
+                        size: num(p.get(b, "size")),
+                        requested_size: num(p.get(b, "requested_size").or_else(|| from_history("real_size"))),
+                        state: p.get(b, "state").and_then(|x| p.text(x)).unwrap_or_default().into_owned(),
+                        stack: interner.stack(&p, p.get(b, "frames").or_else(|| from_history("frames"))),
+                    }
                 })
                 .collect();
             segments.push(Segment {

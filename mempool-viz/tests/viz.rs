@@ -122,3 +122,28 @@ fn our_allocation_stacks_name_the_sites() {
     assert!(mempool_viz::html::page(&view, None, None).contains("embeddings_table"));
     drop(b);
 }
+
+/// PyTorch 2.0's layout (blocks keep their allocation in `history`, no `requested_size`, no
+/// `pool_id`), written by Python: read, with the stack and sizes from the history.
+#[test]
+fn reads_pytorch_2_0_block_history() {
+    let script = r#"
+import pickle, sys
+fr = [{'filename': 'train.py', 'line': 12, 'name': 'forward'}]
+d = {'segments': [{'device': 0, 'address': 4096, 'total_size': 2097152, 'allocated_size': 1024,
+        'active_size': 1024, 'stream': 0, 'segment_type': 'small',
+        'blocks': [{'size': 1024, 'state': 'active_allocated', 'history': [{'addr': 4096, 'real_size': 1000, 'frames': fr}]},
+                   {'size': 2096128, 'state': 'inactive'}]}],
+     'device_traces': [[{'action': 'segment_alloc', 'addr': 4096, 'size': 2097152, 'stream': 0, 'frames': fr},
+                        {'action': 'alloc', 'addr': 4096, 'size': 1000, 'stream': 0, 'frames': fr}]]}
+sys.stdout.buffer.write(pickle.dumps(d, protocol=2))
+"#;
+    let out = std::process::Command::new("python3").arg("-c").arg(script).output().expect("python3");
+    assert!(out.status.success());
+    let view = SnapshotView::from_pickle(&out.stdout).unwrap();
+    let b = &view.segments[0].blocks[0];
+    assert_eq!((b.address, b.size, b.requested_size), (4096, 1024, 1000));
+    assert_eq!(view.site(b.stack).map(|f| f.to_string()), Some("forward (train.py:12)".to_string()));
+    let tl = view.timeline();
+    assert_eq!(tl.points.last().map(|p| (p.1.iter().sum::<u64>(), p.2)), Some((1000, 2097152)));
+}
