@@ -12,8 +12,8 @@ use std::path::Path;
 
 use crate::{Error, SnapshotView, StackId};
 
-/// The timeline's resolution in the page (time buckets, each up to four points).
-pub const TIMELINE_BUCKETS: usize = 5000;
+/// The timeline's resolution in the page (time buckets, each up to four points and one per pool).
+pub const TIMELINE_BUCKETS: usize = 2000;
 
 const SCRIPT: &str = include_str!("page.js");
 const STYLE: &str = include_str!("page.css");

@@ -299,7 +299,7 @@ fn attribute_pools(segments: &[Segment], events: &mut [Event]) {
     let mut ranges: Vec<(u64, u64, u64, u64)> = segments
         .iter()
         .filter(|s| s.pool != 0)
-        .map(|s| (s.device, s.address, s.address + s.total_size, s.pool))
+        .map(|s| (s.device, s.address, s.address.saturating_add(s.total_size), s.pool))
         .collect();
     if ranges.is_empty() {
         return;
@@ -492,7 +492,7 @@ impl SnapshotView {
         for (pool, bytes, stack) in live {
             let site = self.site(stack).map_or_else(|| "(no frames)".to_string(), Frame::to_string);
             let t = by.entry((pool, site.clone())).or_insert_with(|| SiteTotal { pool, site, bytes: 0, blocks: 0 });
-            t.bytes += bytes;
+            t.bytes = t.bytes.saturating_add(bytes);
             t.blocks += 1;
         }
         let mut all: Vec<SiteTotal> = by.into_values().collect();
@@ -515,21 +515,34 @@ impl SnapshotView {
 
     /// One line of figures per pool, in pool order.
     pub fn summary(&self) -> Vec<PoolSummary> {
-        let mut by_pool: BTreeMap<u64, PoolSummary> = BTreeMap::new();
+        self.summaries(|_| 0).into_values().next().unwrap_or_default()
+    }
+
+    /// [`summary`](Self::summary) of each device, in one pass.
+    pub fn summary_by_device(&self) -> BTreeMap<u64, Vec<PoolSummary>> {
+        self.summaries(|s| s.device)
+    }
+
+    fn summaries(&self, key: impl Fn(&Segment) -> u64) -> BTreeMap<u64, Vec<PoolSummary>> {
+        let mut by: BTreeMap<(u64, u64), PoolSummary> = BTreeMap::new();
         for s in &self.segments {
-            let p = by_pool.entry(s.pool).or_insert_with(|| PoolSummary { pool: s.pool, ..Default::default() });
+            let p = by.entry((key(s), s.pool)).or_insert_with(|| PoolSummary { pool: s.pool, ..Default::default() });
             p.segments += 1;
-            p.reserved += s.total_size;
+            p.reserved = p.reserved.saturating_add(s.total_size);
             for b in &s.blocks {
                 if b.state == "inactive" {
-                    p.free += b.size;
+                    p.free = p.free.saturating_add(b.size);
                     p.largest_free = p.largest_free.max(b.size);
                 } else {
-                    p.allocated += b.size;
+                    p.allocated = p.allocated.saturating_add(b.size);
                 }
             }
         }
-        by_pool.into_values().collect()
+        let mut out: BTreeMap<u64, Vec<PoolSummary>> = BTreeMap::new();
+        for ((d, _), p) in by {
+            out.entry(d).or_default().push(p);
+        }
+        out
     }
 }
 
@@ -648,36 +661,52 @@ impl Timeline {
             points.push((from, a.clone(), *r));
         }
         points.extend(self.points.iter().filter(|p| p.0 >= from && p.0 <= to).cloned());
+        // The range ends at `to`: what is in use then holds until it.
+        if to.is_finite() {
+            if let Some(last) = self.points.iter().rev().find(|p| p.0 <= to) {
+                if points.last().is_some_and(|p| p.0 < to) || points.is_empty() {
+                    points.push((to, last.1.clone(), last.2));
+                }
+            }
+        }
         Timeline { pools: self.pools.clone(), points }
     }
 
-    /// At most about `4 * buckets` points with the same look: per bucket of time, the first
-    /// point, the one of most allocated, the one of most reserved and the last, in time order
-    /// (peaks are never lost).
+    /// At most about `(4 + pools) * buckets` points with the same look: per bucket of time, the
+    /// first point, the one of most allocated in all, the one of most allocated in each pool,
+    /// the one of most reserved, and the last, in time order (no peak is lost).
     pub fn downsample(&self, buckets: usize) -> Timeline {
         let n = self.points.len();
-        if n <= 4 * buckets.max(1) {
+        let per = 4 + self.pools.len();
+        if n <= per.saturating_mul(buckets.max(1)) {
             return self.clone();
         }
         let (t0, t1) = (self.points[0].0, self.points[n - 1].0);
         let width = ((t1 - t0) / buckets as f64).max(f64::MIN_POSITIVE);
+        let bucket = |k: usize| ((self.points[k].0 - t0) / width) as usize;
+        let total = |k: usize| self.points[k].1.iter().fold(0u64, |a, x| a.saturating_add(*x));
         let mut keep = vec![false; n];
         let mut i = 0;
         while i < n {
-            let b = ((self.points[i].0 - t0) / width) as usize;
+            let b = bucket(i);
             let mut j = i;
             let (mut most_a, mut most_r) = (i, i);
-            while j < n && ((self.points[j].0 - t0) / width) as usize == b {
-                let total = |k: usize| self.points[k].1.iter().sum::<u64>();
+            let mut most_pool = vec![i; self.pools.len()];
+            while j < n && bucket(j) == b {
                 if total(j) > total(most_a) {
                     most_a = j;
                 }
                 if self.points[j].2 > self.points[most_r].2 {
                     most_r = j;
                 }
+                for (p, m) in most_pool.iter_mut().enumerate() {
+                    if self.points[j].1.get(p) > self.points[*m].1.get(p) {
+                        *m = j;
+                    }
+                }
                 j += 1;
             }
-            for k in [i, most_a, most_r, j - 1] {
+            for k in [i, most_a, most_r, j - 1].into_iter().chain(most_pool) {
                 keep[k] = true;
             }
             i = j;
@@ -691,15 +720,38 @@ impl SnapshotView {
     /// The timeline, ending at the snapshot's state: a trace that starts mid-run (a ring of the
     /// last entries) is lifted by what the snapshot shows was already there.
     pub fn timeline(&self) -> Timeline {
-        let pools: Vec<u64> = self
-            .segments
-            .iter()
-            .map(|s| s.pool)
-            .chain(self.events.iter().map(|e| e.pool))
-            .collect::<BTreeSet<u64>>()
-            .into_iter()
-            .collect();
-        let index = |p: u64| pools.iter().position(|x| *x == p).unwrap_or(0);
+        // Pools by weight (bytes reserved now plus bytes allocated over the trace): the heaviest
+        // `MAX_POOLS - 1` are drawn on their own, the rest as one band, `OTHER_POOLS` (a trace
+        // of thousands of pools must not cost events × pools).
+        let mut weight: HashMap<u64, u64> = HashMap::new();
+        for s in &self.segments {
+            let w = weight.entry(s.pool).or_default();
+            *w = w.saturating_add(s.total_size);
+        }
+        for e in &self.events {
+            let w = weight.entry(e.pool).or_default();
+            if e.action == Action::Alloc {
+                *w = w.saturating_add(e.size);
+            }
+        }
+        let mut pools: Vec<u64> = weight.keys().copied().collect();
+        if pools.len() > MAX_POOLS {
+            pools.sort_by(|a, b| weight[b].cmp(&weight[a]).then(a.cmp(b)));
+            pools.truncate(MAX_POOLS - 1);
+        }
+        pools.sort_unstable();
+        let mut slot: HashMap<u64, usize> = pools.iter().enumerate().map(|(i, p)| (*p, i)).collect();
+        if weight.len() > pools.len() {
+            pools.push(OTHER_POOLS);
+        }
+        if pools.is_empty() {
+            pools.push(0);
+        }
+        let other = pools.len() - 1;
+        for p in weight.keys() {
+            slot.entry(*p).or_insert(other);
+        }
+        let index = |p: u64| slot.get(&p).copied().unwrap_or(other);
         let mut delta_alloc = vec![0i128; pools.len()];
         let mut delta_res = 0i128;
         for e in &self.events {
@@ -734,6 +786,21 @@ impl SnapshotView {
             points.push((t, alloc.iter().map(|a| (*a).max(0) as u64).collect(), res.max(0) as u64));
         }
         Timeline { pools, points }
+    }
+}
+
+/// The most bands a timeline draws: beyond, the lightest pools share one, [`OTHER_POOLS`].
+pub const MAX_POOLS: usize = 16;
+
+/// The pool id of the band holding the pools beyond [`MAX_POOLS`].
+pub const OTHER_POOLS: u64 = u64::MAX;
+
+/// A pool's name in legends: the default pools, a pool's id, or the band of the others.
+pub fn pool_label(pool: u64) -> String {
+    match pool {
+        0 => "default pools".to_string(),
+        OTHER_POOLS => "other pools".to_string(),
+        p => format!("pool {p}"),
     }
 }
 
@@ -809,11 +876,7 @@ pub fn render_timeline_of(view: &SnapshotView, tl: &Timeline, path: impl AsRef<P
     for i in (0..tl.pools.len()).rev() {
         let color = colors[i % colors.len()];
         let series = tl.points.iter().map(|(t, a, _)| (*t, a[..=i].iter().sum::<u64>() as f64 / div));
-        let label = if tl.pools[i] == 0 {
-            "allocated, default pools".to_string()
-        } else {
-            format!("allocated, pool {}", tl.pools[i])
-        };
+        let label = format!("allocated, {}", pool_label(tl.pools[i]));
         chart
             .draw_series(AreaSeries::new(step(series), 0.0, color.mix(0.9)).border_style(color))
             .map_err(|e| draw(&e))?

@@ -24,6 +24,8 @@
     return e;
   }
   function poolName(p) {
+    // The band of the pools beyond the sixteenth (u64::MAX, inexact as a JS number).
+    if (p >= 1.8e19) return "other pools";
     return p === 0 ? "default pools" : "pool " + p;
   }
   function stackText(id) {

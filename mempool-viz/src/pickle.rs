@@ -44,9 +44,14 @@ enum Obj {
 pub(crate) struct Pickle {
     pub(crate) root: Value,
     objs: Vec<Obj>,
+    /// Large dictionaries' keys, indexed on first lookup.
+    index: std::cell::RefCell<HashMap<u32, HashMap<Box<str>, Value>>>,
     strs: Vec<Box<str>>,
     bytes: Vec<Box<[u8]>>,
 }
+
+/// Dictionaries up to this many entries are scanned; larger ones are indexed.
+const SCAN_LIMIT: usize = 32;
 
 /// Why a pickle could not be read.
 #[derive(Debug)]
@@ -58,9 +63,9 @@ impl std::fmt::Display for PickleError {
     }
 }
 
-// A memo index beyond this many slots past the dense part goes to a map instead of growing
-// the vector (a hostile `LONG_BINPUT 4000000000` must not allocate gigabytes).
-const MEMO_DENSE_SLACK: usize = 1 << 16;
+// Memo indices below `2 × puts so far + this` live in a vector, others in a map (a hostile
+// `LONG_BINPUT 4000000000`, or puts stepping far apart, must not allocate gigabytes).
+const MEMO_DENSE_SLACK: usize = 1 << 10;
 
 enum Slot {
     Value(Value),
@@ -75,6 +80,9 @@ struct Machine<'a> {
     stack: Vec<Slot>,
     memo: Vec<Option<Value>>,
     memo_sparse: HashMap<u64, Value>,
+    /// Memo operations so far, and distinct slots set (Python numbers `MEMOIZE` by the latter).
+    puts: u64,
+    memo_count: u64,
     out: Pickle,
 }
 
@@ -89,7 +97,15 @@ impl Pickle {
             stack: Vec::new(),
             memo: Vec::new(),
             memo_sparse: HashMap::new(),
-            out: Pickle { root: Value::None, objs: Vec::new(), strs: Vec::new(), bytes: Vec::new() },
+            puts: 0,
+            memo_count: 0,
+            out: Pickle {
+                root: Value::None,
+                objs: Vec::new(),
+                index: Default::default(),
+                strs: Vec::new(),
+                bytes: Vec::new(),
+            },
         };
         m.run()?;
         Ok(m.out)
@@ -133,9 +149,26 @@ impl Pickle {
         }
     }
 
-    /// `d[key]` for a dictionary with string keys (the last setting wins, as in Python).
+    /// `d[key]` for a dictionary with string keys (the last setting wins, as in Python). A
+    /// small dictionary (a snapshot's have a dozen keys) is scanned; a large one is indexed once,
+    /// so reading stays linear even when one large dictionary is shared by every entry.
     pub(crate) fn get(&self, d: Value, key: &str) -> Option<Value> {
-        self.entries(d).iter().rev().find(|(k, _)| self.str(*k) == Some(key)).map(|(_, v)| *v)
+        let entries = self.entries(d);
+        if entries.len() <= SCAN_LIMIT {
+            return entries.iter().rev().find(|(k, _)| self.str(*k) == Some(key)).map(|(_, v)| *v);
+        }
+        let Value::Dict(id) = d else { return None };
+        let mut index = self.index.borrow_mut();
+        let map = index.entry(id).or_insert_with(|| {
+            let mut m = HashMap::with_capacity(entries.len());
+            for (k, v) in entries {
+                if let Some(k) = self.str(*k) {
+                    m.insert(Box::<str>::from(k), *v);
+                }
+            }
+            m
+        });
+        map.get(key).copied()
     }
 
     /// A non-negative integer (floats truncated, booleans 0/1); `None` for anything else.
@@ -300,15 +333,21 @@ impl Machine<'_> {
     }
 
     fn memo_put(&mut self, idx: u64, v: Value) {
-        let dense = self.memo.len();
-        if (idx as usize as u64) == idx && (idx as usize) < dense + MEMO_DENSE_SLACK {
+        self.puts += 1;
+        // Dense while the index stays within a bound of the puts made so far (each costs at
+        // least a byte of input): memory stays linear in the input however the indices step.
+        let bound = self.puts.saturating_mul(2).saturating_add(MEMO_DENSE_SLACK as u64);
+        let fresh = if idx < bound && usize::try_from(idx).is_ok() {
             let i = idx as usize;
-            if i >= dense {
+            if i >= self.memo.len() {
                 self.memo.resize(i + 1, None);
             }
-            self.memo[i] = Some(v);
+            self.memo[i].replace(v).is_none()
         } else {
-            self.memo_sparse.insert(idx, v);
+            self.memo_sparse.insert(idx, v).is_none()
+        };
+        if fresh {
+            self.memo_count += 1;
         }
     }
 
@@ -431,11 +470,11 @@ impl Machine<'_> {
                 b'S' => {
                     let l = self.line_str()?;
                     let s = l.trim();
-                    let inner = if s.len() >= 2 && (s.starts_with('\'') || s.starts_with('"')) {
-                        s[1..s.len() - 1].to_string()
-                    } else {
-                        return Err(self.err("a STRING without quotes"));
-                    };
+                    let inner = ['\'', '"']
+                        .iter()
+                        .find_map(|q| s.strip_prefix(*q).and_then(|r| r.strip_suffix(*q)))
+                        .ok_or_else(|| self.err("a STRING without its quotes"))?
+                        .to_string();
                     let v = self.new_str(inner)?;
                     self.push(v);
                 }
@@ -546,7 +585,7 @@ impl Machine<'_> {
                         }
                         b'q' => self.uint_le(1)?,
                         b'r' => self.uint_le(4)?,
-                        _ => (self.memo.len() + self.memo_sparse.len()) as u64,
+                        _ => self.memo_count,
                     };
                     let v = self.top()?;
                     self.memo_put(idx, v);
@@ -574,13 +613,10 @@ impl Machine<'_> {
                     self.push(Value::Object);
                 }
                 b'b' => {
-                    // BUILD: the state goes into the object; a dict's state is merged.
-                    let state = self.pop()?;
-                    let t = self.top()?;
-                    if let (Value::Dict(_), Value::Dict(_)) = (t, state) {
-                        let kv: Vec<Value> = self.out.entries(state).iter().flat_map(|(k, v)| [*k, *v]).collect();
-                        self.set_items(t, kv)?;
-                    }
+                    // BUILD: an object's state. Objects are opaque here, so the state is dropped
+                    // (merging a dict's state into a dict would let a few bytes double memory).
+                    self.pop()?;
+                    self.top()?;
                 }
                 b'i' => {
                     self.line()?;

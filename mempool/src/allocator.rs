@@ -123,6 +123,50 @@ impl Allocator<Cuda> {
         Ok(slot.get_or_init(|| a).clone())
     }
 
+    /// The process-wide pinned host memory allocator of CUDA device `ordinal` (PyTorch's
+    /// `CachingHostAllocator`, `pin_memory=True`), created on first use with the settings of
+    /// `MEMPOOL_ALLOC_CONF`: page-locked host memory, mapped for the device, carved and cached
+    /// by the same algorithm as device memory. Its buffers are `Buffer<T, Cuda>`: cudarc's
+    /// asynchronous copies and kernels take them as they take device memory (the host address is
+    /// the device address), and [`Buffer::host_slice`] / [`Buffer::host_slice_mut`] give the
+    /// host view. A freed buffer's memory is handed out again only once the work queued on the
+    /// streams that used it, its own included, is done, so no copy still reading it can see the
+    /// next owner's writes (the host is not stream-ordered). No thread caches, no expandable
+    /// segments.
+    ///
+    /// Errors: as [`cuda`](Self::cuda).
+    pub fn pinned(ordinal: usize) -> Result<Allocator<Cuda>> {
+        static SLOTS: OnceLock<CudaSlots> = OnceLock::new();
+        let slots = match SLOTS.get() {
+            Some(s) => s,
+            None => {
+                let n = crate::backend::cuda::device_count()?;
+                SLOTS.get_or_init(|| (0..n).map(|_| (OnceLock::new(), Mutex::new(()))).collect())
+            }
+        };
+        let (slot, creating) =
+            slots.get(ordinal).ok_or(Error::InvalidDevice { device: ordinal, count: slots.len() })?;
+        if let Some(a) = slot.get() {
+            return Ok(a.clone());
+        }
+        let _creating = creating.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = slot.get() {
+            return Ok(a.clone());
+        }
+        let mut config = Config::from_env()?;
+        config.expandable_segments = false;
+        let backend = Arc::new(CudaBackend::pinned(ordinal)?);
+        let ext = CudaExt::new(backend.clone());
+        env_settings();
+        let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
+        Ok(slot.get_or_init(|| a).clone())
+    }
+
+    /// Whether this allocator makes pinned host memory ([`pinned`](Self::pinned)).
+    pub fn is_pinned(&self) -> bool {
+        self.shared.ext.is_pinned()
+    }
+
     /// The allocator of CUDA device `ordinal` if it exists already (never creates one, nor a
     /// context: what FFI callers that only look, or free, want).
     pub fn cuda_if_created(ordinal: usize) -> Option<Allocator<Cuda>> {

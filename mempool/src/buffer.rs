@@ -143,6 +143,56 @@ impl<T, K: Kind> fmt::Debug for Buffer<T, K> {
     }
 }
 
+impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
+    /// The host's view of a pinned buffer ([`Allocator::pinned`](crate::Allocator::pinned)),
+    /// once the work queued on its stream (a copy or kernel writing it) is done: it synchronises
+    /// that stream first. Uses on other streams were waited for when their calls returned, and
+    /// while the view is borrowed no `&mut` use can queue a write. Error: the buffer is device
+    /// memory (no host view), or the stream's work failed.
+    pub fn host_slice(&self) -> Result<&[T]> {
+        let ptr = self.host_ptr("Buffer::host_slice")?;
+        if self.len == 0 {
+            return Ok(&[]);
+        }
+        // SAFETY: `ptr` is `len` elements of page-locked host memory this buffer owns, mapped in
+        // this process (checked by `host_ptr`), aligned for `T` (blocks are 512-byte aligned);
+        // the device's writes to it are done (its stream synchronised; other streams' uses were
+        // synchronised when their borrows ended) and no new write can be queued while `&self` is
+        // borrowed (writes need `&mut`); every bit pattern is a valid `T` (`AnyBitPattern`).
+        Ok(unsafe { std::slice::from_raw_parts(ptr as *const T, self.len) })
+    }
+
+    /// The host's mutable view of a pinned buffer, once every use queued on its stream (copies
+    /// still reading it included) is done. Errors as [`host_slice`](Self::host_slice).
+    pub fn host_slice_mut(&mut self) -> Result<&mut [T]> {
+        let ptr = self.host_ptr("Buffer::host_slice_mut")?;
+        if self.len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: as in `host_slice`, and `&mut self` makes this the only view: no device use
+        // can be queued while it lives, and the queued ones are done.
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, self.len) })
+    }
+
+    /// The buffer's host address after its stream's work is done, or an error for device memory.
+    fn host_ptr(&self, op: &'static str) -> Result<u64> {
+        if !self.shared.ext.is_pinned() {
+            return Err(crate::Error::Backend {
+                op,
+                message: "device memory has no host view: allocate from Allocator::pinned for host-visible buffers"
+                    .into(),
+            });
+        }
+        if self.block.is_some() && self.len > 0 {
+            DeviceSlice::stream(self).synchronize().map_err(|e| crate::Error::Backend {
+                op,
+                message: format!("synchronising the buffer's stream: {e}"),
+            })?;
+        }
+        Ok(self.ptr)
+    }
+}
+
 impl<T> Buffer<T, Cuda> {
     /// Orders a use on `stream`. On the buffer's own stream nothing is needed. Another stream
     /// first waits for the work queued on the buffer's stream so far (its zero fill, the writes

@@ -108,6 +108,10 @@ impl CudaExt {
     pub(crate) fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
         self.backend.context()
     }
+
+    pub(crate) fn is_pinned(&self) -> bool {
+        self.backend.is_pinned()
+    }
 }
 
 /// The key of a CUDA stream object. Keyed by the `Arc`'s address, with a `Weak` that pins that

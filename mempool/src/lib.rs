@@ -60,6 +60,7 @@ pub mod pool;
 pub mod rules;
 pub mod scope;
 pub mod snapshot;
+#[allow(unsafe_code)] // the unsynchronised stack walk (Linux), see `stacks::capture`
 pub mod stacks;
 pub mod stats;
 pub mod stream;

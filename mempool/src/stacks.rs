@@ -11,7 +11,7 @@
 //! then goes through the shared state (no thread cache), as it does for every traced event.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::{LazyLock, Mutex};
 
 /// Which stacks to record.
@@ -41,21 +41,22 @@ pub struct Frame {
 }
 
 static MODE: AtomicU8 = AtomicU8::new(0);
+/// Bumped each time recording starts: a block's stack counts only if it was recorded in the
+/// current epoch (a block handed out while recording was off keeps an older occupant's).
+static EPOCH: AtomicU32 = AtomicU32::new(0);
 
 struct Table {
     /// Stack `i` (1-based ids) as return addresses, innermost first.
     stacks: Vec<Box<[usize]>>,
-    /// Interning of the stacks recorded since recording was last turned on.
+    /// Interning: a stack recorded again (in any epoch) gets its id back, so memory grows with
+    /// the distinct stacks, not with how often recording is turned on.
     index: HashMap<Box<[usize]>, StackId>,
-    /// Ids below this were recorded before recording was last turned on.
-    epoch_start: StackId,
     /// Resolved frames per address (inlined functions give several).
     resolved: HashMap<usize, Vec<Frame>>,
 }
 
-static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(|| {
-    Mutex::new(Table { stacks: Vec::new(), index: HashMap::new(), epoch_start: 1, resolved: HashMap::new() })
-});
+static TABLE: LazyLock<Mutex<Table>> =
+    LazyLock::new(|| Mutex::new(Table { stacks: Vec::new(), index: HashMap::new(), resolved: HashMap::new() }));
 
 fn table() -> std::sync::MutexGuard<'static, Table> {
     TABLE.lock().unwrap_or_else(|p| p.into_inner())
@@ -66,16 +67,24 @@ fn table() -> std::sync::MutexGuard<'static, Table> {
 /// allocator is made. Turning it on again starts afresh: a block allocated while it was off
 /// shows no stack.
 pub fn record_stacks(mode: StackMode) {
-    let was = MODE.swap(mode as u8, Ordering::AcqRel);
     let on = mode != StackMode::None;
-    if on && was == 0 {
-        let mut t = table();
-        t.index.clear();
-        t.epoch_start = t.stacks.len() as StackId + 1;
+    if on {
+        // Before the mode: an allocation that sees recording on sees the new epoch.
+        let was = MODE.load(Ordering::Acquire);
+        if was == 0 {
+            EPOCH.fetch_add(1, Ordering::AcqRel);
+        }
     }
+    let was = MODE.swap(mode as u8, Ordering::AcqRel);
     if on != (was != 0) {
         crate::trace::stacks_changed(on);
     }
+}
+
+/// The current recording epoch (see [`current`]).
+#[inline]
+pub(crate) fn epoch() -> u32 {
+    EPOCH.load(Ordering::Acquire)
 }
 
 /// The mode now.
@@ -99,10 +108,23 @@ pub(crate) fn capture() -> StackId {
         return 0;
     }
     let mut ips: Vec<usize> = Vec::with_capacity(48);
-    backtrace::trace(|f| {
+    let mut each = |f: &backtrace::Frame| {
         ips.push(f.ip() as usize);
         ips.len() < 96
-    });
+    };
+    // `backtrace::trace` takes the crate's global lock, which symbol resolution holds while it
+    // loads debug information (hundreds of milliseconds the first time): allocations on other
+    // threads would wait behind a snapshot or an out-of-memory report. On Linux the unwinder
+    // (`_Unwind_Backtrace` over `dl_iterate_phdr`) is thread-safe and the walk touches none of
+    // the resolver's state, so no lock is needed; elsewhere the lock is kept.
+    #[cfg(target_os = "linux")]
+    // SAFETY: the unsynchronised walk is sound where the platform's unwinder is thread-safe,
+    // which glibc's and libgcc's are; the callback only reads the frame's address.
+    unsafe {
+        backtrace::trace_unsynchronized(&mut each)
+    };
+    #[cfg(not(target_os = "linux"))]
+    backtrace::trace(&mut each);
     let ips = ips.into_boxed_slice();
     let mut t = table();
     if let Some(id) = t.index.get(&ips) {
@@ -114,16 +136,17 @@ pub(crate) fn capture() -> StackId {
     id
 }
 
-/// Whether `id` was recorded since recording was last turned on (a block's older stack may be
-/// another allocation's).
-pub(crate) fn current(id: StackId) -> bool {
-    id != 0 && on() && id >= table().epoch_start
+/// Whether a block's stack `id`, recorded in `epoch`, is its present allocation's: recording is
+/// on and has not been turned off and on since (a block handed out while it was off keeps an
+/// older occupant's stack).
+pub(crate) fn current(id: StackId, epoch: u32) -> bool {
+    id != 0 && on() && epoch == self::epoch()
 }
 
 /// Frames of mempool itself, the unwinder and the standard library at the top of a stack.
 fn machinery(name: &str) -> bool {
     let n = name.trim_start_matches('<');
-    ["mempool::", "backtrace::", "std::", "core::", "alloc::", "scopeguard::", "__rust", "rust_"]
+    ["mempool::", "backtrace::", "std::", "core::", "alloc::", "scopeguard::", "__rust"]
         .iter()
         .any(|p| n.starts_with(p))
         || n.is_empty()

@@ -73,11 +73,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let devices = view.devices();
-    if devices.len() > 1 {
-        for d in &devices {
+    let by_device = view.summary_by_device();
+    if by_device.len() > 1 {
+        for (d, pools) in &by_device {
             println!("device {d}:");
-            print!("{}", mempool_viz::format_summary(&view.on_device(*d).summary()));
+            print!("{}", mempool_viz::format_summary(pools));
         }
     } else {
         print!("{}", mempool_viz::format_summary(&view.summary()));

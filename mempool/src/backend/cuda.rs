@@ -63,8 +63,12 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     /// Completed events, kept for reuse (creating one costs a driver call).
     idle_events: Mutex<Vec<u64>>,
-    /// `None`: the device has no virtual memory management.
+    /// `None`: the device has no virtual memory management (or this backend makes pinned host
+    /// memory).
     vm: Option<Vm>,
+    /// Segments are page-locked host memory mapped for the device (`cuMemHostAlloc`), not
+    /// device memory.
+    pinned: bool,
 }
 
 /// Runs `f` with this thread's stream-capture mode relaxed: a thread capturing a graph in global
@@ -149,6 +153,17 @@ fn alloc_prop(ordinal: usize, posix_fd: bool, rdma: bool) -> sys::CUmemAllocatio
     p
 }
 
+/// The host's memory `(available, total)` from `/proc/meminfo` (Linux), for pinned backends'
+/// out-of-memory reports.
+fn host_memory_info() -> Option<(usize, usize)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let kib = |key: &str| -> Option<usize> {
+        let line = text.lines().find(|l| l.starts_with(key))?;
+        line.split_whitespace().nth(1)?.parse::<usize>().ok().map(|k| k * 1024)
+    };
+    Some((kib("MemAvailable:")?, kib("MemTotal:")?))
+}
+
 impl CudaBackend {
     /// Opens device `ordinal` (its primary context).
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
@@ -158,7 +173,24 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
         let vm = Self::probe_vm(&ctx);
-        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm })
+        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm, pinned: false })
+    }
+
+    /// Page-locked host memory for device `ordinal`'s streams: segments from `cuMemHostAlloc`
+    /// (portable, mapped: under unified addressing the host address is the device address, so
+    /// copies and kernels take it as they take device memory), events on the device's streams.
+    pub fn pinned(ordinal: usize) -> Result<CudaBackend> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::InvalidDevice { device: ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
+        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm: None, pinned: true })
+    }
+
+    /// Whether segments are pinned host memory ([`pinned`](Self::pinned)).
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
     }
 
     /// The device's context.
@@ -184,11 +216,20 @@ impl Drop for CudaBackend {
     }
 }
 
-// SAFETY: segments come from `cuMemAlloc` with exactly the size asked for (256-byte aligned or
+// SAFETY: segments come from `cuMemAlloc` (or, pinned, `cuMemHostAlloc`, page-aligned, at the
+// same address for host and device) with exactly the size asked for (256-byte aligned or
 // better), owned by the caller until `free_segment`; `zero` writes only the range it is given.
 unsafe impl Backend for CudaBackend {
     fn kind(&self) -> &'static str {
-        "cuda"
+        if self.pinned {
+            "cuda_pinned"
+        } else {
+            "cuda"
+        }
+    }
+
+    fn host_visible(&self) -> bool {
+        self.pinned
     }
 
     fn device(&self) -> usize {
@@ -196,11 +237,31 @@ unsafe impl Backend for CudaBackend {
     }
 
     fn memory_info(&self) -> Option<(usize, usize)> {
+        if self.pinned {
+            return host_memory_info();
+        }
         self.ctx.mem_get_info().ok()
     }
 
     fn alloc_segment(&self, size: usize, _stream: StreamId) -> Result<u64, BackendError> {
         self.bind()?;
+        if self.pinned {
+            let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+            // SAFETY: the context is current; the memory is owned by the caching allocator until
+            // `free_segment` gives it to `cuMemFreeHost`.
+            let host = relaxed(|| unsafe { result::malloc_host(size, flags) }).map_err(failed)?;
+            let mut dev: sys::CUdeviceptr = 0;
+            // SAFETY: `host` was just mapped for the device by `cuMemHostAlloc(DEVICEMAP)`.
+            let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) }.result();
+            if r.is_err() || dev != host as u64 {
+                // SAFETY: `host` came from `malloc_host` above and is given back once.
+                let _ = unsafe { result::free_host(host) };
+                return Err(BackendError::Failed(format!(
+                    "pinned memory at {host:p} is not at the same device address ({dev:#x}: no unified addressing)"
+                )));
+            }
+            return Ok(host as u64);
+        }
         // SAFETY: the context is current; the segment is owned by the caching allocator until
         // `free_segment`. Relaxed: `cuMemAlloc` is allowed while this thread captures a graph.
         relaxed(|| unsafe { result::malloc_sync(size) }).map_err(failed)
@@ -235,6 +296,11 @@ unsafe impl Backend for CudaBackend {
 
     unsafe fn free_segment(&self, addr: u64, _size: usize) -> Result<(), BackendError> {
         self.bind()?;
+        if self.pinned {
+            // SAFETY: `addr` came from `malloc_host` (pinned backends make no other segment) and
+            // is freed once, after every event guarding its blocks completed.
+            return unsafe { result::free_host(addr as *mut std::ffi::c_void) }.map_err(failed);
+        }
         // SAFETY: `addr` came from `malloc_sync` and the caching allocator frees it once, after
         // every event guarding its blocks completed.
         unsafe { result::free_sync(addr) }.map_err(failed)

@@ -132,6 +132,13 @@ pub unsafe trait Backend: Send + Sync + 'static {
         f()
     }
 
+    /// Whether the host reads and writes this memory directly (pinned host memory): a freed
+    /// block is then reused only once the work queued on its own stream is done too (the host
+    /// is not stream-ordered), not only other streams' work. The default: no.
+    fn host_visible(&self) -> bool {
+        false
+    }
+
     /// Virtual memory management, for expandable segments: the page size that
     /// [`map`](Backend::map) works in (addresses and sizes are multiples of it), or `None` when
     /// the device has none (the default; expandable segments are then refused at configuration).

@@ -294,6 +294,7 @@ impl State {
                 has_uses: false,
                 pending: 0,
                 stack: 0,
+                stack_epoch: 0,
             });
             self.block_mut(last).next = Some(b);
             self.insert_free(b);
@@ -438,6 +439,7 @@ impl State {
                 has_uses: false,
                 pending: 0,
                 stack: 0,
+                stack_epoch: 0,
             });
             if let Some(n) = next {
                 self.block_mut(n).prev = Some(r);

@@ -237,7 +237,14 @@ impl DeviceAllocator {
         // What is in effect: `config()` reports it.
         let mut config = config;
         config.expandable_segments = default_pool.expandable;
+        // Host-visible memory: a freed block waits for its own stream too, which a thread cache
+        // (handing blocks out again at once) would skip.
+        let host_visible = backend.host_visible();
+        if host_visible {
+            config.thread_cache = false;
+        }
         let mut state = State::new(config.clone(), limit, default_pool, id, device, caches.board.clone());
+        state.host_visible = host_visible;
         state.vm_page = backend.vm_granularity().filter(|p| p.is_power_of_two());
         if let Some(page) = state.vm_page {
             // One reservation per (pool, stream, kind) covers the whole device, as PyTorch's.
@@ -570,6 +577,8 @@ impl DeviceAllocator {
     fn completed_report(&self, mut e: Error) -> Error {
         if let Error::OutOfMemory(r) = &mut e {
             r.allocated = self.caches.sum().current(crate::stats::ALLOCATED_BYTES * 3).max(0) as usize;
+            let stacks = segments::PENDING_SITES.with(|p| std::mem::take(&mut *p.borrow_mut()));
+            r.sites = segments::sites_of(stacks, 5);
         }
         e
     }
@@ -1131,7 +1140,7 @@ impl DeviceAllocator {
                         size: blk.size,
                         requested_size: if blk.state == BlockState::Free { 0 } else { blk.requested },
                         state: blk.state,
-                        stack: if blk.state == BlockState::Free || !crate::stacks::current(blk.stack) {
+                        stack: if blk.state == BlockState::Free || !crate::stacks::current(blk.stack, blk.stack_epoch) {
                             0
                         } else {
                             blk.stack

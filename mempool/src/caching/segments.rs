@@ -84,6 +84,7 @@ impl State {
             has_uses: false,
             pending: 0,
             stack: 0,
+            stack_epoch: 0,
         });
         self.segments[seg_idx.0 as usize].head = Some(block);
         self.set_segments[set.0 as usize] += 1;
@@ -281,7 +282,8 @@ impl State {
         None
     }
 
-    /// Counts an out-of-memory failure, tells the hooks and builds the report.
+    /// Counts an out-of-memory failure, tells the hooks and builds the report (its allocation
+    /// sites are named once the lock is let go, from [`PENDING_SITES`]).
     pub(super) fn oom(&mut self, be: &dyn Backend, requested: usize, pool: Slot) -> Error {
         self.stats.num_ooms += 1;
         self.pools[pool.get()].stats.num_ooms += 1;
@@ -289,6 +291,8 @@ impl State {
         if crate::trace::enabled() {
             self.emit_entry(Action::Oom, id, 0, requested, crate::id::StreamId(0));
         }
+        let stacks = self.top_stacks();
+        PENDING_SITES.with(|p| *p.borrow_mut() = stacks);
         let (free, total) = be.memory_info().unzip();
         let spec = &self.pools[pool.get()].spec;
         Error::OutOfMemory(Box::new(OomReport {
@@ -303,36 +307,31 @@ impl State {
             limit: self.limit,
             pool: (pool != Slot::DEFAULT).then(|| (spec.id.0, spec.name.clone())),
             during_capture: !self.captures.is_empty(),
-            sites: self.top_sites(5),
+            // Resolved outside the lock (`completed_report`): symbols can take long the first time.
+            sites: Vec::new(),
         }))
     }
 
-    /// The allocation sites of the live blocks holding the most bytes (while stacks are
-    /// recorded): summed per stack under the lock, resolved (symbols) for the top `n` only.
-    fn top_sites(&self, n: usize) -> Vec<(String, usize)> {
+    /// The stacks of the live blocks holding the most bytes (while stacks are recorded), summed
+    /// per stack under the lock; their symbols are resolved once the lock is let go
+    /// (`DeviceAllocator::completed_report`, through [`PENDING_SITES`]).
+    fn top_stacks(&self) -> Vec<(crate::stacks::StackId, usize)> {
         if !crate::stacks::on() {
             return Vec::new();
         }
         let mut by: std::collections::HashMap<crate::stacks::StackId, usize> = std::collections::HashMap::new();
         for s in self.segments.iter().filter(|s| s.live) {
             for b in self.blocks_of(s) {
-                if b.state == crate::snapshot::BlockState::Allocated && crate::stacks::current(b.stack) {
-                    *by.entry(b.stack).or_default() += b.size;
+                if b.state == crate::snapshot::BlockState::Allocated && crate::stacks::current(b.stack, b.stack_epoch) {
+                    let n = by.entry(b.stack).or_default();
+                    *n = n.saturating_add(b.size);
                 }
             }
         }
-        // Stacks of one site (different callers) are summed under it.
-        let mut sites: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
         let mut stacks: Vec<(crate::stacks::StackId, usize)> = by.into_iter().collect();
         stacks.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        for (id, bytes) in stacks.into_iter().take(64) {
-            let site = crate::stacks::site(id).unwrap_or_else(|| "(unknown)".into());
-            *sites.entry(site).or_default() += bytes;
-        }
-        let mut out: Vec<(String, usize)> = sites.into_iter().collect();
-        out.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
-        out.truncate(n);
-        out
+        stacks.truncate(64);
+        stacks
     }
 
     pub(super) fn alloc_failed(&self, pool: Slot, message: String) -> Error {
@@ -380,4 +379,25 @@ impl State {
             }
         }
     }
+}
+
+thread_local! {
+    /// The stacks the last out-of-memory report of this thread found under the lock, for
+    /// `completed_report` to resolve into sites after it.
+    pub(super) static PENDING_SITES: std::cell::RefCell<Vec<(crate::stacks::StackId, usize)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The allocation sites of `stacks` (largest first, stacks of one site summed), at most `n`.
+pub(super) fn sites_of(stacks: Vec<(crate::stacks::StackId, usize)>, n: usize) -> Vec<(String, usize)> {
+    let mut sites: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for (id, bytes) in stacks {
+        let site = crate::stacks::site(id).unwrap_or_else(|| "(unknown)".into());
+        let s = sites.entry(site).or_default();
+        *s = s.saturating_add(bytes);
+    }
+    let mut out: Vec<(String, usize)> = sites.into_iter().collect();
+    out.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    out.truncate(n);
+    out
 }

@@ -152,6 +152,8 @@ pub(super) struct Block {
     /// Where it was last allocated, while stacks are recorded (`stacks::current` tells whether
     /// it is this allocation's).
     pub(super) stack: crate::stacks::StackId,
+    /// The recording epoch `stack` was recorded in.
+    pub(super) stack_epoch: u32,
 }
 
 impl Block {
@@ -291,6 +293,9 @@ pub(super) struct State {
     /// capture was under way (queued before it began, or left behind by a slow hook): they run
     /// once the last capture ends.
     pub(super) held_back: Vec<Work>,
+    /// The host reads and writes the memory (pinned): a freed block waits for the work queued
+    /// on its own stream too (`Backend::host_visible`).
+    pub(super) host_visible: bool,
     /// Frees, unmaps and reservation frees running outside the lock now: a capture begins only
     /// when there are none (`begin_capture` waits), so none runs during a capture.
     pub(super) freeing: u32,
@@ -358,6 +363,7 @@ impl State {
             captures: Vec::new(),
             deferred: Vec::new(),
             held_back: Vec::new(),
+            host_visible: false,
             freeing: 0,
             raw: IdMap::default(),
             uses: IdMap::default(),
@@ -409,10 +415,19 @@ impl State {
     pub(super) fn emit(&mut self, action: Action, block: BlockIdx) {
         let stack = if action == Action::Alloc {
             let s = crate::stacks::capture();
-            self.block_mut(block).stack = s;
+            let b = self.block_mut(block);
+            b.stack = s;
+            b.stack_epoch = crate::stacks::epoch();
             s
         } else {
-            self.block(block).stack
+            // A free names the allocation's stack only if it is that allocation's (a block
+            // handed out while nothing listened keeps an older occupant's).
+            let b = self.block(block);
+            if crate::stacks::current(b.stack, b.stack_epoch) {
+                b.stack
+            } else {
+                0
+            }
         };
         let b = self.block(block);
         let stream = self.seg(b.seg).stream.raw;
@@ -564,6 +579,7 @@ impl State {
                 has_uses: false,
                 pending: 0,
                 stack: 0,
+                stack_epoch: 0,
             };
             let next = b.next;
             let r = self.new_block(rest);
@@ -622,12 +638,18 @@ impl State {
             return;
         }
         let (size, requested, small, pool) = (b.size, b.requested, b.small, b.pool);
-        let uses = if b.has_uses {
+        let mut uses = if b.has_uses {
             b.has_uses = false;
             self.uses.remove(&block).unwrap_or_default()
         } else {
             Vec::new()
         };
+        if self.host_visible {
+            // The next owner may write it from the host at once, not in stream order: wait for
+            // the block's own stream as for the others (its segment keeps that stream alive).
+            let seg = self.block(block).seg;
+            uses.push(Use { stream: self.seg(seg).stream, keep: None });
+        }
         let oversize = size >= self.config.max_split_size;
         self.sink.on_free_requested(small, size, requested, oversize);
         if pool != Slot::DEFAULT {

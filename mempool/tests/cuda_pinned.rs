@@ -1,0 +1,109 @@
+//! Pinned host memory (`Allocator::pinned`) on a real GPU: a freed pinned buffer is not handed
+//! out again while a copy queued on its own stream may still read it; host views wait for the
+//! device; bad uses are refused. Run on the GPU machine through `shared/tools/gpu-bundle`.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaStream};
+use mempool::{Allocator, Error};
+
+const N: usize = 1 << 20;
+
+fn ctx() -> Arc<cudarc::driver::CudaContext> {
+    Allocator::cuda(0).expect("CUDA device 0").context().clone()
+}
+
+/// Holds `stream` until the host writes 1 into `flag` (a pinned word): a stream memory wait.
+fn gate(stream: &CudaStream, flag: &mempool::Buffer<u32>) {
+    // The raw address: a cudarc use on `stream` would synchronise it at the end of the borrow,
+    // behind the gate itself. `flag` outlives the wait (the test opens the gate before dropping
+    // it and synchronises the stream).
+    let ptr = flag.device_ptr_raw();
+    // SAFETY: `ptr` is a live, device-mapped pinned word; the stream waits until it is >= 1.
+    let r = unsafe {
+        sys::cuStreamWaitValue32_v2(
+            stream.cu_stream(),
+            ptr,
+            1,
+            sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+        )
+    };
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+}
+
+#[test]
+fn pinned_invalid_device_is_a_clear_error() {
+    if let Ok(n) = mempool::device_count() {
+        assert_eq!(Allocator::pinned(n).unwrap_err(), Error::InvalidDevice { device: n, count: n });
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_gated_copy_keeps_its_pinned_source_out_of_reuse() {
+    let pinned = Allocator::pinned(0).unwrap();
+    assert!(pinned.is_pinned() && !Allocator::cuda(0).unwrap().is_pinned());
+    let gpu = Allocator::cuda(0).unwrap();
+    let ctx = ctx();
+    let (s, side) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    // The gate's flag lives on the side stream (its host view must not wait for `s`).
+    let mut flag = {
+        let _on = pinned.set_stream(&side).unwrap();
+        pinned.alloc_zeros::<u32>(1).unwrap()
+    };
+    flag.host_slice_mut().unwrap()[0] = 0;
+    let _on = pinned.set_stream(&s).unwrap();
+    let _on_gpu = gpu.set_stream(&s).unwrap();
+    let mut src = pinned.alloc::<u8>(N).unwrap();
+    src.host_slice_mut().unwrap().fill(0xAB);
+    let mut dst = gpu.alloc_zeros::<u8>(N).unwrap();
+    gate(&s, &flag);
+    s.memcpy_dtod(&src, &mut dst).unwrap(); // queued behind the gate: reads `src` later
+    let old = src.device_ptr_raw();
+    drop(src);
+    // The copy has not run: the memory must not go to the next pinned allocation, even on the
+    // same stream, whose host writes would not wait for the copy.
+    let next = pinned.alloc::<u8>(N).unwrap();
+    assert_ne!(next.device_ptr_raw(), old, "a pinned block was reused while a queued copy still reads it");
+    flag.host_slice_mut().unwrap()[0] = 1; // open the gate
+    s.synchronize().unwrap();
+    assert!(s.clone_dtoh(&dst).unwrap().iter().all(|&b| b == 0xAB), "the copy read the original data");
+    let next_addr = next.device_ptr_raw();
+    drop(next);
+    // Their events done, the blocks are cached and reused as usual (no new memory).
+    s.synchronize().unwrap();
+    let reserved = pinned.memory_stats().reserved_bytes.all.current;
+    let again = pinned.alloc::<u8>(N).unwrap();
+    assert!([old, next_addr].contains(&again.device_ptr_raw()), "a cached pinned block is reused");
+    assert_eq!(pinned.memory_stats().reserved_bytes.all.current, reserved);
+    drop(again);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pinned_round_trip_host_views_and_release() {
+    let pinned = Allocator::pinned(0).unwrap();
+    let gpu = Allocator::cuda(0).unwrap();
+    let s = gpu.current_stream();
+    let _on = pinned.set_stream(&s).unwrap();
+    let mut h = pinned.alloc::<u32>(N).unwrap();
+    for (i, x) in h.host_slice_mut().unwrap().iter_mut().enumerate() {
+        *x = i as u32 * 3;
+    }
+    let mut d = gpu.alloc::<u32>(N).unwrap();
+    s.memcpy_dtod(&h, &mut d).unwrap(); // pinned -> device, asynchronously
+    let mut back = pinned.alloc_zeros::<u32>(N).unwrap();
+    s.memcpy_dtod(&d, &mut back).unwrap(); // device -> pinned
+                                           // The host view waits for the copy into it.
+    assert!(back.host_slice().unwrap().iter().enumerate().all(|(i, &x)| x == i as u32 * 3));
+    // Device memory has no host view.
+    let e = d.host_slice().unwrap_err();
+    assert!(e.to_string().contains("no host view"), "{e}");
+    let stats = pinned.memory_stats();
+    assert!(stats.reserved_bytes.all.current as usize >= 2 * N * 4);
+    assert_eq!(pinned.snapshot().backend, "cuda_pinned");
+    drop((h, back, d));
+    s.synchronize().unwrap();
+    pinned.empty_cache().unwrap();
+    assert_eq!(pinned.memory_stats().reserved_bytes.all.current, 0, "pinned memory went back");
+}
