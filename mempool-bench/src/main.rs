@@ -146,9 +146,16 @@ fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
     }
     for l in MIXED_LIVE.into_iter().filter(|_| want("mixed")) {
         let before = a.memory_stats().num_device_alloc;
+        a.reset_peak_stats();
         let ns = mixed(a, l);
         out!("mixed {l} {ns:.1}");
-        eprintln!("mixed {l}: {} segment allocations", a.memory_stats().num_device_alloc - before);
+        let st = a.memory_stats();
+        eprintln!(
+            "mixed {l}: {} segment allocations, peak reserved {} bytes, peak allocated {} bytes",
+            st.num_device_alloc - before,
+            st.reserved_bytes.all.peak,
+            st.allocated_bytes.all.peak
+        );
     }
     for s in pair_sizes().into_iter().filter(|_| want("pair-raw")) {
         out!("pair-raw {s} {:.1}", pair_raw(a, s));
@@ -397,7 +404,7 @@ fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String], mut streams: Stream
 }
 
 fn usage() -> String {
-    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]\n       mempool-bench graph <trace>... [--backend sim|cuda]\n       mempool-bench graph-launch".into()
+    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda|pinned]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]\n       mempool-bench graph <trace>... [--backend sim|cuda]\n       mempool-bench graph-launch".into()
 }
 
 fn main() -> ExitCode {
@@ -438,6 +445,12 @@ fn main() -> ExitCode {
             let default = ctx.default_stream();
             run(a, &cmd, rest, Streams { default, new: &mut || ctx.new_stream().map_err(|e| e.to_string()) })
         }),
+        // Pinned host memory (`Allocator::pinned`), on CUDA streams.
+        "pinned" => Allocator::pinned(0).map_err(|e| e.to_string()).and_then(|a| {
+            let ctx = a.context().clone();
+            let default = ctx.default_stream();
+            run(a, &cmd, rest, Streams { default, new: &mut || ctx.new_stream().map_err(|e| e.to_string()) })
+        }),
         "host" => {
             // Host streams are notional ids: 0 is the default, 1, 2, ... the trace's others.
             let mut next = 0;
@@ -453,7 +466,7 @@ fn main() -> ExitCode {
             let streams = Streams { default: sim.default_stream(), new: &mut || Ok(sim.new_stream()) };
             run(Allocator::sim_with(sim.clone(), config), &cmd, rest, streams)
         }
-        other => Err(format!("unknown backend `{other}`; valid: sim, host, cuda")),
+        other => Err(format!("unknown backend `{other}`; valid: sim, host, cuda, pinned")),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

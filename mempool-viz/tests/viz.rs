@@ -110,7 +110,7 @@ fn embeddings_table(a: &Allocator<mempool::Sim>) -> mempool::Buffer<u8, mempool:
 /// names the Rust function and line as the site, and the page carries it.
 #[test]
 fn our_allocation_stacks_name_the_sites() {
-    mempool::stacks::record_stacks(mempool::StackMode::Full);
+    mempool::record_stacks(mempool::StackMode::Full);
     mempool::record_history(1000);
     let a = Allocator::sim(SimDevice::new(1 << 30));
     let b = embeddings_table(&a);

@@ -64,8 +64,8 @@ fn env_settings() -> &'static EnvSettings {
             crate::trace::record_history(n);
         }
         match std::env::var("MEMPOOL_RECORD_STACKS").as_deref().map(str::trim) {
-            Ok("sites") => crate::stacks::record_stacks(crate::stacks::StackMode::Sites),
-            Ok("full") => crate::stacks::record_stacks(crate::stacks::StackMode::Full),
+            Ok("sites") => crate::record_stacks(crate::stacks::StackMode::Sites),
+            Ok("full") => crate::record_stacks(crate::stacks::StackMode::Full),
             _ => {}
         }
         EnvSettings { snapshot_on_oom: std::env::var_os("MEMPOOL_SNAPSHOT_ON_OOM").map(Into::into) }
@@ -131,8 +131,8 @@ impl Allocator<Cuda> {
     /// the device address), and [`Buffer::host_slice`] / [`Buffer::host_slice_mut`] give the
     /// host view. A freed buffer's memory is handed out again only once the work queued on the
     /// streams that used it, its own included, is done, so no copy still reading it can see the
-    /// next owner's writes (the host is not stream-ordered). No thread caches, no expandable
-    /// segments.
+    /// next owner's writes (the host is not stream-ordered); a buffer the device never used
+    /// goes back at once (through the thread caches). No expandable segments.
     ///
     /// Errors: as [`cuda`](Self::cuda).
     pub fn pinned(ordinal: usize) -> Result<Allocator<Cuda>> {

@@ -90,9 +90,20 @@ impl<T, K: Kind> Buffer<T, K> {
         self.len * std::mem::size_of::<T>()
     }
 
-    /// The device address (0 for an empty buffer).
+    /// The device address (0 for an empty buffer). For pinned host memory, the buffer then
+    /// counts as used by the device: its memory is reused only after its stream's work.
     pub fn device_ptr_raw(&self) -> u64 {
+        self.mark_device_use();
         self.ptr
+    }
+
+    /// Pinned host memory used by the device: its free must wait for its own stream's work too
+    /// (the next owner's host writes are not stream-ordered). Nothing for device memory.
+    #[inline]
+    pub(crate) fn mark_device_use(&self) {
+        if self.shared.core.host_visible() {
+            self.used_elsewhere.store(true, Ordering::Relaxed);
+        }
     }
 
     /// The id (device handle) of the stream it was allocated on.
@@ -111,6 +122,7 @@ impl<T, K: Kind> Buffer<T, K> {
     /// buffer holds `stream` alive until then.
     pub fn record_stream(&self, stream: &K::Stream) -> Result<()> {
         crate::kind::check_stream::<K>(stream, self.shared.device, "record_stream")?;
+        self.mark_device_use();
         if let Some(a) = &self.block {
             // Set before the use is recorded: a free racing this call cannot happen (it takes
             // the buffer by value), so the flag is seen by `drop`.
@@ -202,6 +214,7 @@ impl<T> Buffer<T, Cuda> {
     /// return at once, but a buffer is `Sync`: two threads could use it on two streams at a time,
     /// and one event per buffer could then forget one of them.
     fn use_on<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
+        self.mark_device_use();
         if self.block.is_none() {
             return SyncOnDrop::Sync(None);
         }
@@ -250,6 +263,7 @@ impl<T> DevicePtrMut<T> for Buffer<T, Cuda> {
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b Buffer<T, Cuda>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b Buffer<T, Cuda>) -> &mut Self {
+        arg.mark_device_use();
         self.arg(&arg.ptr)
     }
 }
@@ -258,6 +272,7 @@ unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b Buffer<T, Cuda>> for LaunchArgs<'a>
 unsafe impl<'a, 'b: 'a, T> PushKernelArg<&'b mut Buffer<T, Cuda>> for LaunchArgs<'a> {
     #[inline(always)]
     fn arg(&mut self, arg: &'b mut Buffer<T, Cuda>) -> &mut Self {
+        arg.mark_device_use();
         self.arg(&arg.ptr)
     }
 }

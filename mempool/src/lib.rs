@@ -79,7 +79,7 @@ pub use id::{AllocatorId, EventId, PoolId, StreamId};
 pub use pool::{MemPool, PoolOptions};
 pub use scope::{PoolScope, ScopeHandle, Scoped};
 pub use snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
-pub use stacks::{record_stacks, StackMode};
+pub use stacks::StackMode;
 pub use stats::{MemoryStats, PoolStats, Stat, StatArray};
 pub use stream::StreamGuard;
 
@@ -97,6 +97,18 @@ thread_local! {
 /// `MEMPOOL_RECORD_HISTORY=<max_entries>` does the same when the first allocator is made.
 pub fn record_history(max_entries: usize) {
     trace::record_history(max_entries)
+}
+
+/// Records `mode` stacks with every allocation from now on (with history or hooks on; see
+/// [`stacks`]), PyTorch's `_record_memory_history(stacks=...)`. `MEMPOOL_RECORD_STACKS=sites|full`
+/// does the same when the first allocator is made. Turning it on again starts afresh: a block
+/// allocated while it was off shows no stack.
+pub fn record_stacks(mode: StackMode) {
+    if let Some(on) = stacks::set_mode(mode) {
+        // Recording counts as a listener: every allocation then passes the shared state, where
+        // its stack is recorded (no thread cache).
+        trace::stacks_changed(on);
+    }
 }
 
 /// This thread's current CUDA device (0 unless [`set_device`] said otherwise).

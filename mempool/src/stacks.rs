@@ -7,7 +7,7 @@
 //! pickle, an out-of-memory report), and each address once.
 //!
 //! Stacks are recorded while history or a hook is on ([`record_history`](crate::record_history),
-//! [`trace::attach`](crate::trace::attach)) and [`record_stacks`] says so; the allocation path
+//! [`trace::attach`](crate::trace::attach)) and [`record_stacks`](crate::record_stacks) says so; the allocation path
 //! then goes through the shared state (no thread cache), as it does for every traced event.
 
 use std::collections::HashMap;
@@ -62,11 +62,8 @@ fn table() -> std::sync::MutexGuard<'static, Table> {
     TABLE.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Records `mode` stacks with every allocation from now on (with history or hooks on; see the
-/// module's documentation). `MEMPOOL_RECORD_STACKS=sites|full` does the same when the first
-/// allocator is made. Turning it on again starts afresh: a block allocated while it was off
-/// shows no stack.
-pub fn record_stacks(mode: StackMode) {
+/// Sets the mode ([`crate::record_stacks`]); `Some(on)` when recording turned on or off.
+pub(crate) fn set_mode(mode: StackMode) -> Option<bool> {
     let on = mode != StackMode::None;
     if on {
         // Before the mode: an allocation that sees recording on sees the new epoch.
@@ -76,9 +73,7 @@ pub fn record_stacks(mode: StackMode) {
         }
     }
     let was = MODE.swap(mode as u8, Ordering::AcqRel);
-    if on != (was != 0) {
-        crate::trace::stacks_changed(on);
-    }
+    (on != (was != 0)).then_some(on)
 }
 
 /// The current recording epoch (see [`current`]).

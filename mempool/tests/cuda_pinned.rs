@@ -107,3 +107,36 @@ fn pinned_round_trip_host_views_and_release() {
     pinned.empty_cache().unwrap();
     assert_eq!(pinned.memory_stats().reserved_bytes.all.current, 0, "pinned memory went back");
 }
+
+/// A pinned buffer the device never used goes back at once (no event to wait for), even while
+/// its stream is held; one the device used waits.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn host_only_pinned_buffers_need_no_event() {
+    let pinned = Allocator::pinned(0).unwrap();
+    let ctx = ctx();
+    let (s, side) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let mut flag = {
+        let _on = pinned.set_stream(&side).unwrap();
+        pinned.alloc_zeros::<u32>(1).unwrap()
+    };
+    flag.host_slice_mut().unwrap()[0] = 0;
+    let _on = pinned.set_stream(&s).unwrap();
+    gate(&s, &flag); // `s` is held from here
+                     // 12 MiB: each allocation gets a segment of its own, so reserved bytes tell reuse apart.
+    const BIG: usize = 12 << 20;
+    let c = pinned.alloc::<u8>(BIG).unwrap();
+    let addr = c.device_ptr_raw(); // a raw address: counts as a device use
+    drop(c);
+    let d = pinned.alloc::<u8>(BIG).unwrap();
+    assert_ne!(d.device_ptr_raw(), addr, "used by the device (raw address): waits for the stream");
+    let e = pinned.alloc::<u8>(BIG).unwrap();
+    drop(e); // never given to the device
+    let reserved = pinned.memory_stats().reserved_bytes.all.current;
+    let f = pinned.alloc::<u8>(BIG).unwrap();
+    let after = pinned.memory_stats().reserved_bytes.all.current;
+    flag.host_slice_mut().unwrap()[0] = 1;
+    s.synchronize().unwrap();
+    drop((d, f));
+    assert_eq!(after, reserved, "the host-only buffer's memory was handed out again at once");
+}

@@ -9,7 +9,7 @@ use std::path::Path;
 const LAYERS: &[&[&str]] = &[
     &["id", "format", "rules", "elem", "sync"],
     &["error"],
-    &["config", "backend"],
+    &["config", "backend", "stacks"],
     &["stats", "trace", "counting"],
     &["snapshot"],
     &["caching"],

@@ -30,7 +30,7 @@ fn stacks_name_the_allocation_sites() {
     let before = activations_here(&a);
     assert_eq!(stack_of(&a, before.device_ptr_raw()), 0);
 
-    stacks::record_stacks(StackMode::Full);
+    mempool::record_stacks(StackMode::Full);
     mempool::record_history(1000);
     let w = weights_here(&a);
     let id = stack_of(&a, w.device_ptr_raw());
@@ -55,7 +55,7 @@ fn stacks_name_the_allocation_sites() {
     assert!(ids[0] != 0 && ids[0] == ids[1], "{ids:?}");
 
     // Sites: one frame.
-    stacks::record_stacks(StackMode::Sites);
+    mempool::record_stacks(StackMode::Sites);
     assert_eq!(stacks::frames(id).len(), 1);
     assert!(stacks::site(id).unwrap().contains("weights_here"));
 
@@ -70,14 +70,14 @@ fn stacks_name_the_allocation_sites() {
     assert!(text.contains("largest live allocation sites: ") && text.contains("weights_here"), "{text}");
 
     // Off again: snapshots show no stacks; on again: blocks from before show none.
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     assert_eq!(stack_of(&a, w.device_ptr_raw()), 0);
     let e = a.alloc::<u8>(60 << 20).unwrap_err();
     let Error::OutOfMemory(r) = &e else { panic!("{e}") };
     assert!(r.sites.is_empty());
-    stacks::record_stacks(StackMode::Full);
+    mempool::record_stacks(StackMode::Full);
     assert_eq!(stack_of(&a, w.device_ptr_raw()), 0, "recorded before the last start: not shown");
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     mempool::record_history(0);
     drop((before, w, act));
 }

@@ -18,7 +18,7 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     let g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     mempool::record_history(0);
     g
 }
@@ -60,7 +60,7 @@ fn names(id: u32) -> String {
 fn free_events_do_not_carry_a_previous_allocations_stack() {
     let _g = serial();
     let a = Allocator::sim(SimDevice::new(64 << 20));
-    stacks::record_stacks(StackMode::Full);
+    mempool::record_stacks(StackMode::Full);
     mempool::record_history(1000);
     let first = site_one(&a, 3 << 20);
     let addr = first.device_ptr_raw();
@@ -68,12 +68,12 @@ fn free_events_do_not_carry_a_previous_allocations_stack() {
     assert!(names(id_one).contains("site_one"), "{}", names(id_one));
     drop(first);
     // Nothing listens: the same block (best fit, same size) is handed out at another site.
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     mempool::record_history(0);
     let second = site_two(&a, 3 << 20);
     assert_eq!(second.device_ptr_raw(), addr, "the same block again");
     // Listening again: the block's free is traced.
-    stacks::record_stacks(StackMode::Full);
+    mempool::record_stacks(StackMode::Full);
     mempool::record_history(1000);
     assert_eq!(block_stack(&a, addr), 0, "allocated while off: no stack in the snapshot (held)");
     drop(second);
@@ -82,7 +82,7 @@ fn free_events_do_not_carry_a_previous_allocations_stack() {
         .filter(|e| e.addr == addr && matches!(e.action, Action::FreeRequested | Action::FreeCompleted))
         .collect();
     assert!(!frees.is_empty());
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     mempool::record_history(0);
     for e in frees {
         assert!(
@@ -115,10 +115,10 @@ fn toggling_stacks_does_not_grow_the_stack_table_without_bound() {
     .unwrap();
     let mut ids = Vec::new();
     for _ in 0..2000 {
-        stacks::record_stacks(StackMode::Sites);
+        mempool::record_stacks(StackMode::Sites);
         drop(site_one(&a, 4096));
         ids.push(last.load(Ordering::Relaxed));
-        stacks::record_stacks(StackMode::None);
+        mempool::record_stacks(StackMode::None);
     }
     drop(hook);
     let distinct: std::collections::BTreeSet<u64> = ids.iter().copied().collect();
@@ -181,7 +181,7 @@ fn toggling_from_many_threads_while_allocating_leaves_a_consistent_state() {
                     1 => StackMode::Sites,
                     _ => StackMode::Full,
                 };
-                stacks::record_stacks(m);
+                mempool::record_stacks(m);
             }
         }));
     }
@@ -192,15 +192,15 @@ fn toggling_from_many_threads_while_allocating_leaves_a_consistent_state() {
     let allocs: u64 = hs.into_iter().map(|h| h.join().unwrap()).sum();
     assert!(allocs > 0);
     // Off: caches on again (the listener count is back to zero, not stuck above it).
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     assert!(caching_is_on(&a), "trace::enabled() stuck true after concurrent toggles");
     // On: stacks recorded (the count is not stuck at zero either).
-    stacks::record_stacks(StackMode::Sites);
+    mempool::record_stacks(StackMode::Sites);
     let b = site_one(&a, 5 << 20);
     let id = block_stack(&a, b.device_ptr_raw());
     assert!(id != 0 && stacks::site(id).unwrap().contains("site_one"), "{id}");
     assert!(!caching_is_on(&a), "stacks on: the caches stand aside");
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     drop(b);
     // The allocator's books balance.
     let s = a.memory_stats();
@@ -211,21 +211,21 @@ fn toggling_from_many_threads_while_allocating_leaves_a_consistent_state() {
 fn blocks_reused_from_thread_caches_show_no_stale_stack() {
     let _g = serial();
     let a = Allocator::sim(SimDevice::new(64 << 20));
-    stacks::record_stacks(StackMode::Sites);
+    mempool::record_stacks(StackMode::Sites);
     let b = site_one(&a, 8192);
     let addr = b.device_ptr_raw();
     assert!(stacks::site(block_stack(&a, addr)).unwrap().contains("site_one"));
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     drop(b); // into this thread's cache
     let c = site_two(&a, 8192); // from it, no capture
     assert_eq!(c.device_ptr_raw(), addr, "the cached block");
-    stacks::record_stacks(StackMode::Sites);
+    mempool::record_stacks(StackMode::Sites);
     assert_eq!(block_stack(&a, addr), 0, "stale stack shown for a block reused from a thread cache");
     // OOM report: no stale site either.
     let e = a.alloc::<u8>(1 << 30).unwrap_err();
     let Error::OutOfMemory(r) = &e else { panic!("{e}") };
     assert!(r.sites.iter().all(|(s, _)| !s.contains("site_one")), "{:?}", r.sites);
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     drop(c);
 }
 
@@ -235,7 +235,7 @@ fn stacks_of_user_pools_and_expandable_segments() {
     // User pool.
     let a = Allocator::sim(SimDevice::new(256 << 20));
     let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
-    stacks::record_stacks(StackMode::Full);
+    mempool::record_stacks(StackMode::Full);
     let p = pool_site(&pool, 3 << 20);
     let id = block_stack(&a, p.device_ptr_raw());
     assert!(id != 0 && names(id).contains("pool_site"), "user pool: {}", names(id));
@@ -264,7 +264,7 @@ fn stacks_of_user_pools_and_expandable_segments() {
     // frames/site of ids never handed out.
     assert!(stacks::frames(0).is_empty() && stacks::frames(u32::MAX).is_empty());
     assert!(stacks::site(u32::MAX).is_none());
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     drop((p, bufs));
 }
 
@@ -304,7 +304,7 @@ fn the_oom_report_does_not_hold_the_allocators_lock_while_resolving_symbols() {
     }
     let _g = serial();
     let a = Allocator::sim(SimDevice::new(256 << 20));
-    stacks::record_stacks(StackMode::Full);
+    mempool::record_stacks(StackMode::Full);
     // 80 distinct stacks (recursion depths), each holding a block.
     let mut held = Vec::new();
     for d in 0..80 {
@@ -337,7 +337,7 @@ fn the_oom_report_does_not_hold_the_allocators_lock_while_resolving_symbols() {
     h.join().unwrap();
     let Error::OutOfMemory(r) = &e else { panic!("{e}") };
     assert!(r.sites.iter().any(|(s, _)| s.contains("site_one")), "{:?}", r.sites);
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     let worst = Duration::from_micros(worst.load(Ordering::Relaxed));
     eprintln!("OOM report took {oom_took:?}; worst concurrent alloc {worst:?}");
     assert!(worst < Duration::from_millis(100), "another thread's alloc waited {worst:?} (the OOM took {oom_took:?})");
@@ -365,9 +365,9 @@ extern "C" fn rust_entry_point(a: *const std::ffi::c_void) -> usize {
 fn a_user_function_named_rust_something_is_a_site() {
     let _g = serial();
     let a = Allocator::sim(SimDevice::new(64 << 20));
-    stacks::record_stacks(StackMode::Sites);
+    mempool::record_stacks(StackMode::Sites);
     let id = rust_entry_point(&a as *const Allocator<Sim> as *const std::ffi::c_void) as u32;
     let site = stacks::site(id);
-    stacks::record_stacks(StackMode::None);
+    mempool::record_stacks(StackMode::None);
     assert!(site.as_deref().is_some_and(|s| s.contains("rust_entry_point")), "site: {site:?}");
 }

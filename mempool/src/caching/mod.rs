@@ -160,6 +160,8 @@ pub(crate) struct DeviceAllocator {
     closing: AtomicBool,
     /// Graph captures under way (`capture.rs`); changed under the lock.
     capturing: AtomicUsize,
+    /// The memory is host-visible (pinned host memory): `Backend::host_visible`.
+    host_visible: bool,
     /// The outbox items that calls made from inside the outbox's own run (a hook or a pool
     /// allocator calling back on the running thread) queued: the run delivers them too before
     /// it stops, as those calls cannot wait for themselves.
@@ -237,12 +239,10 @@ impl DeviceAllocator {
         // What is in effect: `config()` reports it.
         let mut config = config;
         config.expandable_segments = default_pool.expandable;
-        // Host-visible memory: a freed block waits for its own stream too, which a thread cache
-        // (handing blocks out again at once) would skip.
+        // Host-visible memory: a freed block the device used waits for its own stream too; only
+        // blocks the device never used (`Buffer::mark_device_use`) reach the thread caches, which
+        // hand blocks out again at once.
         let host_visible = backend.host_visible();
-        if host_visible {
-            config.thread_cache = false;
-        }
         let mut state = State::new(config.clone(), limit, default_pool, id, device, caches.board.clone());
         state.host_visible = host_visible;
         state.vm_page = backend.vm_granularity().filter(|p| p.is_power_of_two());
@@ -264,6 +264,7 @@ impl DeviceAllocator {
             has_error: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             capturing: AtomicUsize::new(0),
+            host_visible,
             nested_target: AtomicU64::new(0),
         }
     }
@@ -930,10 +931,18 @@ impl DeviceAllocator {
     /// Returns a block from [`malloc`](Self::malloc). Never fails: an error on the way (an event
     /// that could not be recorded) is kept and reported by the next call.
     #[inline]
-    pub(crate) fn free(&self, block: BlockIdx) {
+    /// `device_used`: for host-visible memory, whether the device may have used the block (its
+    /// free then waits for the block's own stream too).
+    fn free_with(&self, block: BlockIdx, device_used: bool) {
         let mut st = self.lock();
-        st.free(&*self.backend, block);
+        st.free_with(&*self.backend, block, device_used);
         self.unlock(st, false);
+    }
+
+    /// Whether the memory is host-visible (pinned): see `Backend::host_visible`.
+    #[inline]
+    pub(crate) fn host_visible(&self) -> bool {
+        self.host_visible
     }
 
     /// Its owner gives back a block it holds as `a` (allocated on `stream` for `requested`
@@ -959,7 +968,7 @@ impl DeviceAllocator {
                 Some(tcache::Put::Refused) | None => {}
             }
         }
-        self.free(a.block);
+        self.free_with(a.block, used_elsewhere);
     }
 
     /// Notes that `stream` uses the block; returns whether the stream is new to it. `keep` keeps

@@ -630,6 +630,12 @@ impl State {
     /// used it, awaiting their events.
     #[inline]
     pub(super) fn free(&mut self, be: &dyn crate::backend::Backend, block: BlockIdx) {
+        self.free_with(be, block, true);
+    }
+
+    /// [`free`](Self::free); `device_used`: for host-visible memory, whether the device may have
+    /// used the block since it was handed out.
+    pub(super) fn free_with(&mut self, be: &dyn crate::backend::Backend, block: BlockIdx, device_used: bool) {
         let b = self.block_mut(block);
         if b.state != BlockState::Allocated {
             // Unreachable through the API (a block is freed by its one owner); never corrupt
@@ -644,7 +650,7 @@ impl State {
         } else {
             Vec::new()
         };
-        if self.host_visible {
+        if self.host_visible && device_used {
             // The next owner may write it from the host at once, not in stream order: wait for
             // the block's own stream as for the others (its segment keeps that stream alive).
             let seg = self.block(block).seg;
