@@ -20,6 +20,7 @@
 
 pub mod cuda;
 pub mod host;
+pub mod host_numa;
 pub mod sim;
 
 use std::any::Any;

@@ -1,0 +1,303 @@
+//! Host memory on a chosen NUMA node, mapped for a GPU: a segment source for any pool
+//! (`PoolOptions::shared_allocator(Arc::new(HostNumaAllocator::new(device, node)?))`), so a region
+//! of code can route its allocations to host memory (PyTorch's pools RFC: `cuMemCreate` with
+//! `CU_MEM_LOCATION_TYPE_HOST_NUMA`; Extended GPU Memory on Grace systems).
+//!
+//! Each segment is one physical allocation (`cuMemCreate` on the node), mapped at a reserved
+//! address (`cuMemAddressReserve` + `cuMemMap`) with read/write access granted to the device and,
+//! where the driver allows it, to the host CPU. Kernels and copies reach it through the device
+//! address like device memory (over the host link); the CPU reads it at the same address once the
+//! device's work is done.
+//!
+//! What the machine supports is probed, not assumed ([`HostNumaSupport`]): virtual memory on host
+//! NUMA nodes (whether the driver gives an allocation granularity for them), the device's
+//! nearest node (`CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID`), and whether device memory is itself a NUMA
+//! node of a coherent system (Grace class: `CU_DEVICE_ATTRIBUTE_NUMA_CONFIG`).
+
+use cudarc::driver::sys::{self, CUdevice_attribute as A, CUresult};
+use cudarc::driver::CudaContext;
+use std::sync::Arc;
+
+use super::{BackendError, RawAllocator};
+use crate::error::{Error, Result};
+use crate::id::StreamId;
+
+/// What a device and its host support for host-NUMA memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostNumaSupport {
+    /// The device.
+    pub device: usize,
+    /// `cuMemCreate` can place memory on a host NUMA node for this device.
+    pub virtual_memory: bool,
+    /// The host NUMA node nearest the device, if the driver names one.
+    pub nearest_node: Option<i32>,
+    /// The host's NUMA nodes (from `/sys/devices/system/node`).
+    pub nodes: Vec<i32>,
+    /// Device memory is itself a NUMA node of a coherent system (Grace class), so the CPU
+    /// reaches device memory and the device host memory at cache-line grain.
+    pub coherent: bool,
+}
+
+impl std::fmt::Display for HostNumaSupport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "device {}: host-NUMA virtual memory {}, nearest node {}, host nodes {:?}, {}",
+            self.device,
+            if self.virtual_memory { "supported" } else { "not supported" },
+            self.nearest_node.map_or("unknown".to_string(), |n| n.to_string()),
+            self.nodes,
+            if self.coherent {
+                "coherent (device memory is a NUMA node)"
+            } else {
+                "not a coherent system (device memory is not a NUMA node)"
+            }
+        )
+    }
+}
+
+fn host_nodes() -> Vec<i32> {
+    let mut nodes: Vec<i32> = std::fs::read_dir("/sys/devices/system/node")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter_map(|e| e.file_name().to_str()?.strip_prefix("node")?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    nodes.sort_unstable();
+    nodes
+}
+
+/// Asks device `device` (and the host) what host-NUMA memory they support.
+pub fn probe(device: usize) -> Result<HostNumaSupport> {
+    let ctx =
+        CudaContext::new(device).map_err(|e| Error::Backend { op: "opening the device", message: e.to_string() })?;
+    let attr = |a| ctx.attribute(a).unwrap_or(-1);
+    let id = attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID);
+    let nodes = host_nodes();
+    // The attribute that says so (141) postdates the API level we build against: ask the driver
+    // for the allocation granularity of host-NUMA memory instead, which it gives only where it
+    // can create such memory.
+    let probe_node = if id >= 0 { id } else { nodes.first().copied().unwrap_or(0) };
+    let virtual_memory = ctx.bind_to_thread().is_ok() && {
+        let mut g = 0usize;
+        let p = prop(probe_node);
+        // SAFETY: `p` is a valid property struct and `g` a place for the answer.
+        let r = unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &p,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        };
+        r == CUresult::CUDA_SUCCESS && g > 0
+    };
+    Ok(HostNumaSupport {
+        device,
+        virtual_memory,
+        nearest_node: (id >= 0).then_some(id),
+        nodes,
+        // CU_DEVICE_NUMA_CONFIG_NUMA_NODE = 1: the device's memory is a NUMA node.
+        coherent: attr(A::CU_DEVICE_ATTRIBUTE_NUMA_CONFIG) == 1,
+    })
+}
+
+/// Segments of host memory on one NUMA node, mapped for one device (and the CPU).
+pub struct HostNumaAllocator {
+    ctx: Arc<CudaContext>,
+    node: i32,
+    granularity: usize,
+    /// The CPU was granted access too (else only the device reaches the memory).
+    cpu_access: std::sync::atomic::AtomicBool,
+    name: String,
+}
+
+impl std::fmt::Debug for HostNumaAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostNumaAllocator").field("device", &self.ctx.ordinal()).field("node", &self.node).finish()
+    }
+}
+
+fn prop(node: i32) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct; all-zero is its "nothing requested" value.
+    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    p.location.id = node;
+    p
+}
+
+impl HostNumaAllocator {
+    /// Memory on host NUMA node `node` (`None`: the node nearest `device`) for `device`. Errors,
+    /// naming what is missing: a device without host-NUMA virtual memory, a node that does not
+    /// exist, a driver that refuses the node.
+    pub fn new(device: usize, node: Option<i32>) -> Result<HostNumaAllocator> {
+        let support = probe(device)?;
+        if !support.virtual_memory {
+            return Err(Error::Config(format!(
+                "host-NUMA memory: {support} (the driver gives no allocation granularity for CU_MEM_LOCATION_TYPE_HOST_NUMA)"
+            )));
+        }
+        let node = match node.or(support.nearest_node) {
+            Some(n) => n,
+            None => {
+                return Err(Error::Config(format!(
+                    "host-NUMA memory: {support}: the driver names no node near the device; pass one"
+                )))
+            }
+        };
+        if !support.nodes.is_empty() && !support.nodes.contains(&node) {
+            return Err(Error::Config(format!(
+                "host-NUMA memory: NUMA node {node} does not exist (this host's nodes: {:?})",
+                support.nodes
+            )));
+        }
+        let ctx = CudaContext::new(device)
+            .map_err(|e| Error::Backend { op: "opening the device", message: e.to_string() })?;
+        ctx.bind_to_thread().map_err(|e| Error::Backend { op: "binding the device", message: e.to_string() })?;
+        let mut g = 0usize;
+        let p = prop(node);
+        // SAFETY: `p` is a valid property struct and `g` a place for the answer.
+        let r = unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &p,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(Error::Config(format!(
+                "host-NUMA memory on node {node} for device {device}: the driver refuses it ({r:?})"
+            )));
+        }
+        let granularity = g.max(512).next_power_of_two();
+        Ok(HostNumaAllocator {
+            ctx,
+            node,
+            granularity,
+            cpu_access: std::sync::atomic::AtomicBool::new(true),
+            name: format!("host-numa node {node}"),
+        })
+    }
+
+    /// The NUMA node.
+    pub fn node(&self) -> i32 {
+        self.node
+    }
+
+    /// Whether the CPU may read and write the memory at the device address (the driver granted
+    /// it when the last segment was mapped).
+    pub fn cpu_access(&self) -> bool {
+        self.cpu_access.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn access(&self, node_too: bool) -> Vec<sys::CUmemAccessDesc> {
+        // SAFETY: plain C structs; all-zero is a valid start.
+        let mut dev: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        dev.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        dev.location.id = self.ctx.ordinal() as i32;
+        dev.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        let mut v = vec![dev];
+        if node_too {
+            // SAFETY: as above.
+            let mut host: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            host.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+            host.location.id = self.node;
+            host.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            v.push(host);
+        }
+        v
+    }
+}
+
+// SAFETY: `alloc` returns the address of `size` bytes (a multiple of the granularity, aligned to
+// it) freshly created with `cuMemCreate` on the node and mapped read/write for the device at an
+// address reserved for this segment alone, so nothing else uses it until `free`; `free` unmaps
+// and releases exactly that segment, and reports `Err` only when nothing was released (the
+// segment is still mapped and usable).
+unsafe impl RawAllocator for HostNumaAllocator {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    fn alloc(&self, size: usize, device: usize, _stream: StreamId) -> Result<u64, BackendError> {
+        if device != self.ctx.ordinal() {
+            return Err(BackendError::Failed(format!(
+                "{} serves device {}, not device {device}",
+                self.name,
+                self.ctx.ordinal()
+            )));
+        }
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        let p = prop(self.node);
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: out-parameter and a valid property struct; `size` is a granularity multiple.
+        let r = unsafe { sys::cuMemCreate(&mut handle, size, &p, 0) };
+        match r {
+            CUresult::CUDA_SUCCESS => {}
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => return Err(BackendError::OutOfMemory),
+            r => return Err(BackendError::Failed(format!("cuMemCreate on NUMA node {}: {r:?}", self.node))),
+        }
+        let release = |h| {
+            // SAFETY: `h` came from `cuMemCreate` above and is released once.
+            let _ = unsafe { sys::cuMemRelease(h) };
+        };
+        let mut addr: sys::CUdeviceptr = 0;
+        // SAFETY: out-parameter; a fresh range of `size` bytes aligned to the granularity.
+        let r = unsafe { sys::cuMemAddressReserve(&mut addr, size, self.granularity, 0, 0) };
+        if r != CUresult::CUDA_SUCCESS {
+            release(handle);
+            return Err(BackendError::Failed(format!("cuMemAddressReserve: {r:?}")));
+        }
+        let unreserve = |a| {
+            // SAFETY: `a` is the range reserved above, with nothing mapped, freed once.
+            let _ = unsafe { sys::cuMemAddressFree(a, size) };
+        };
+        // SAFETY: the whole allocation mapped at the start of its own reserved range.
+        let r = unsafe { sys::cuMemMap(addr, size, 0, handle, 0) };
+        if r != CUresult::CUDA_SUCCESS {
+            unreserve(addr);
+            release(handle);
+            return Err(BackendError::Failed(format!("cuMemMap: {r:?}")));
+        }
+        // The mapping holds the memory: the handle can go now (released with the unmap).
+        release(handle);
+        // Device and CPU; if the driver refuses the CPU descriptor, the device alone.
+        let mut granted = false;
+        for node_too in [true, false] {
+            let desc = self.access(node_too);
+            // SAFETY: `addr..addr + size` is mapped above; `desc` lists valid descriptors.
+            if unsafe { sys::cuMemSetAccess(addr, size, desc.as_ptr(), desc.len()) } == CUresult::CUDA_SUCCESS {
+                self.cpu_access.store(node_too, std::sync::atomic::Ordering::Relaxed);
+                granted = true;
+                break;
+            }
+        }
+        if !granted {
+            // SAFETY: the mapping made above, unmapped once, then its range freed.
+            unsafe {
+                let _ = sys::cuMemUnmap(addr, size);
+            }
+            unreserve(addr);
+            return Err(BackendError::Failed("cuMemSetAccess refused the device's access".into()));
+        }
+        Ok(addr)
+    }
+
+    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        // SAFETY: `ptr`/`size` are a segment `alloc` mapped (the caller's contract), unused now.
+        let r = unsafe { sys::cuMemUnmap(ptr, size) };
+        if r != CUresult::CUDA_SUCCESS {
+            return Err(BackendError::Failed(format!("cuMemUnmap: {r:?}")));
+        }
+        // SAFETY: the range reserved for this segment, with nothing mapped any more. The memory
+        // went back with the unmap: a failure here leaks address space only, so it is `Ok`.
+        let _ = unsafe { sys::cuMemAddressFree(ptr, size) };
+        Ok(())
+    }
+}
