@@ -163,31 +163,30 @@ impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
     /// memory (no host view), or the stream's work failed.
     pub fn host_slice(&self) -> Result<&[T]> {
         let ptr = self.host_ptr("Buffer::host_slice")?;
-        if self.len == 0 {
-            return Ok(&[]);
-        }
         // SAFETY: `ptr` is `len` elements of page-locked host memory this buffer owns, mapped in
-        // this process (checked by `host_ptr`), aligned for `T` (blocks are 512-byte aligned);
-        // the device's writes to it are done (its stream synchronised; other streams' uses were
-        // synchronised when their borrows ended) and no new write can be queued while `&self` is
-        // borrowed (writes need `&mut`); every bit pattern is a valid `T` (`AnyBitPattern`).
-        Ok(unsafe { std::slice::from_raw_parts(ptr as *const T, self.len) })
+        // this process (checked by `host_ptr`: a pinned allocator's own segment), aligned for
+        // `T` (blocks are 512-byte aligned), or a dangling pointer for a buffer of no bytes; the
+        // device's writes to it are done (its stream and every stream recorded as using it were
+        // waited for; cudarc's uses on other streams were synchronised when their borrows ended)
+        // and no new write can be queued while `&self` is borrowed (writes need `&mut`); every
+        // bit pattern is a valid `T` (`AnyBitPattern`).
+        Ok(unsafe { std::slice::from_raw_parts(ptr, self.len) })
     }
 
-    /// The host's mutable view of a pinned buffer, once every use queued on its stream (copies
-    /// still reading it included) is done. Errors as [`host_slice`](Self::host_slice).
+    /// The host's mutable view of a pinned buffer, once every use queued on its stream and on
+    /// the streams recorded as using it (copies still reading it included) is done. Errors as
+    /// [`host_slice`](Self::host_slice).
     pub fn host_slice_mut(&mut self) -> Result<&mut [T]> {
         let ptr = self.host_ptr("Buffer::host_slice_mut")?;
-        if self.len == 0 {
-            return Ok(&mut []);
-        }
         // SAFETY: as in `host_slice`, and `&mut self` makes this the only view: no device use
         // can be queued while it lives, and the queued ones are done.
-        Ok(unsafe { std::slice::from_raw_parts_mut(ptr as *mut T, self.len) })
+        Ok(unsafe { std::slice::from_raw_parts_mut(ptr, self.len) })
     }
 
-    /// The buffer's host address after its stream's work is done, or an error for device memory.
-    fn host_ptr(&self, op: &'static str) -> Result<u64> {
+    /// The buffer's host address once the device's work on it is done, a dangling (aligned,
+    /// non-null) pointer for a buffer of no bytes, or an error: device memory, a stream being
+    /// captured into a graph (waiting would break the capture), a failed wait.
+    fn host_ptr(&self, op: &'static str) -> Result<*mut T> {
         if !self.shared.ext.is_pinned() {
             return Err(crate::Error::Backend {
                 op,
@@ -195,13 +194,24 @@ impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
                     .into(),
             });
         }
-        if self.block.is_some() && self.len > 0 {
-            DeviceSlice::stream(self).synchronize().map_err(|e| crate::Error::Backend {
-                op,
-                message: format!("synchronising the buffer's stream: {e}"),
-            })?;
+        let Some(a) = &self.block else {
+            // No bytes (an empty buffer, or zero-sized elements): nothing to wait for.
+            return Ok(std::ptr::NonNull::dangling().as_ptr());
+        };
+        if self.num_bytes() == 0 {
+            return Ok(std::ptr::NonNull::dangling().as_ptr());
         }
-        Ok(self.ptr)
+        if self.shared.core.stream_capture_id(self.stream)?.is_some() {
+            return Err(crate::Error::Capture {
+                what: op,
+                message: "the buffer's stream is being captured into a graph: its work has not run, and waiting for it would break the capture".into(),
+            });
+        }
+        DeviceSlice::stream(self)
+            .synchronize()
+            .map_err(|e| crate::Error::Backend { op, message: format!("synchronising the buffer's stream: {e}") })?;
+        self.shared.core.wait_for_uses(a.block)?;
+        Ok(self.ptr as *mut T)
     }
 }
 

@@ -202,6 +202,11 @@ impl<K: Kind> MemPool<K> {
                 )));
             }
         }
+        if options.allocator.is_some() && alloc.shared.core.host_visible() {
+            return Err(Error::Config(
+                "PoolOptions: a pool of a pinned allocator takes its memory from that allocator (its buffers have host views); it cannot take its segments from a RawAllocator".into(),
+            ));
+        }
         if options.expandable && options.allocator.is_some() {
             return Err(Error::Config(
                 "PoolOptions: an expandable pool maps the device's memory itself; it cannot take its segments from a RawAllocator".into(),

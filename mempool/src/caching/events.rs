@@ -29,6 +29,15 @@ impl State {
     /// Records an event on every stream that used `block` (now `AwaitingStreams`).
     pub(super) fn record_uses(&mut self, be: &dyn Backend, block: BlockIdx, uses: Vec<Use>) {
         for u in uses {
+            // A stream being captured by someone else (another allocator's capture, or cudarc's
+            // own `begin_capture`): an event recorded there would be a node of that graph, which
+            // no query may ask about. The use waits in `foreign` until the capture is over.
+            // SAFETY: `u.stream` is alive (as below).
+            if matches!(unsafe { be.capture_id(u.stream.raw) }, Ok(Some(_))) {
+                self.block_mut(block).pending += 1;
+                self.foreign.push((block, u));
+                continue;
+            }
             // SAFETY: `u.stream` is a stream of this device that is alive: `u.keep` holds it
             // (CUDA), or the stream is the default stream or a host/sim stream, which never dies.
             match unsafe { be.record_event(u.stream.raw) } {
@@ -59,6 +68,7 @@ impl State {
         if !self.captures.is_empty() {
             return;
         }
+        self.retry_foreign(be);
         let mut i = 0;
         while i < self.pending.len() {
             let (ev, block) = self.pending[i];
@@ -79,11 +89,33 @@ impl State {
         }
     }
 
+    /// Records the events of the uses that waited for a capture of their stream to end (see
+    /// `record_uses`), for those whose capture is over.
+    pub(super) fn retry_foreign(&mut self, be: &dyn Backend) {
+        if self.foreign.is_empty() {
+            return;
+        }
+        let mut i = 0;
+        while i < self.foreign.len() {
+            let stream = self.foreign[i].1.stream;
+            // SAFETY: the use's `keep` holds its stream alive while it waits here.
+            if matches!(unsafe { be.capture_id(stream.raw) }, Ok(Some(_))) {
+                i += 1;
+                continue;
+            }
+            let (block, u) = self.foreign.swap_remove(i);
+            // Its place in `pending` goes to the event recorded now (or to the error's hold).
+            self.block_mut(block).pending -= 1;
+            self.record_uses(be, block, vec![u]);
+        }
+    }
+
     /// Waits for every pending cross-stream event and frees their blocks.
     pub(super) fn synchronize_events(&mut self, be: &dyn Backend) {
         if !self.captures.is_empty() {
             return;
         }
+        self.retry_foreign(be);
         self.stats.num_sync_all_streams += 1;
         let mut i = 0;
         while i < self.pending.len() {

@@ -593,7 +593,7 @@ impl DeviceAllocator {
         if let Some(e) = st.error.take() {
             return Err(e);
         }
-        if !st.pending.is_empty() {
+        if !st.pending.is_empty() || !st.foreign.is_empty() {
             st.process_events(&*self.backend);
         }
         st.tick += 1;
@@ -978,6 +978,30 @@ impl DeviceAllocator {
     }
 
     /// The keep-alive of the stream a block's segment serves.
+    /// Waits for the work queued so far on every stream recorded as using `block`
+    /// (`record_stream`), its own excluded: an event recorded on each and waited for.
+    pub(crate) fn wait_for_uses(&self, block: BlockIdx) -> Result<()> {
+        let uses: Vec<(StreamRef, Option<Keep>)> = {
+            let st = self.lock();
+            st.uses.get(&block).map_or_else(Vec::new, |u| u.iter().map(|u| (u.stream, u.keep.clone())).collect())
+        };
+        let be = &*self.backend;
+        for (stream, _keep) in uses {
+            let failed = |e: BackendError| Error::Backend {
+                op: "waiting for a stream that used the buffer",
+                message: e.to_string(),
+            };
+            // SAFETY: `stream` is alive: `_keep` holds it (CUDA) for the calls.
+            let ev = unsafe { be.record_event(stream.raw) }.map_err(failed)?;
+            // SAFETY: `ev` was just recorded by this backend; released once, right after.
+            let r = unsafe { be.synchronize_event(ev) };
+            // SAFETY: as above.
+            unsafe { be.release_event(ev) };
+            r.map_err(failed)?;
+        }
+        Ok(())
+    }
+
     pub(crate) fn stream_keep(&self, block: BlockIdx) -> Option<Keep> {
         let st = self.lock();
         st.seg(st.block(block).seg).keep.clone()
@@ -1029,7 +1053,7 @@ impl DeviceAllocator {
     pub(crate) fn empty_pool_cache(&self, pool: PoolRef) -> Result<()> {
         self.refuse_if_capturing("MemPool::empty_cache")?;
         let mut st = self.lock();
-        if !st.pending.is_empty() {
+        if !st.pending.is_empty() || !st.foreign.is_empty() {
             st.process_events(&*self.backend);
         }
         if st.resolve(pool).is_some() {

@@ -293,6 +293,9 @@ pub(super) struct State {
     /// capture was under way (queued before it began, or left behind by a slow hook): they run
     /// once the last capture ends.
     pub(super) held_back: Vec<Work>,
+    /// Uses whose stream was being captured by someone else when the block was freed: their
+    /// events are recorded once that capture is over (`events::retry_foreign`).
+    pub(super) foreign: Vec<(BlockIdx, Use)>,
     /// The host reads and writes the memory (pinned): a freed block waits for the work queued
     /// on its own stream too (`Backend::host_visible`).
     pub(super) host_visible: bool,
@@ -363,6 +366,7 @@ impl State {
             captures: Vec::new(),
             deferred: Vec::new(),
             held_back: Vec::new(),
+            foreign: Vec::new(),
             host_visible: false,
             freeing: 0,
             raw: IdMap::default(),
