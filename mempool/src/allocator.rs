@@ -153,13 +153,19 @@ impl Allocator<Cuda> {
         if let Some(a) = slot.get() {
             return Ok(a.clone());
         }
-        let mut config = Config::from_env()?;
-        config.expandable_segments = false;
-        let backend = Arc::new(CudaBackend::pinned(ordinal)?);
+        let (backend, config) = pinned_parts(ordinal, Config::from_env()?)?;
         let ext = CudaExt::new(backend.clone());
         env_settings();
         let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
         Ok(slot.get_or_init(|| a).clone())
+    }
+
+    /// A new pinned host memory allocator of device `ordinal` with these settings (not the
+    /// process-wide one): for `pinned_use_cuda_host_register` in one part of a program, say.
+    pub fn pinned_with(ordinal: usize, config: Config) -> Result<Allocator<Cuda>> {
+        let (backend, config) = pinned_parts(ordinal, config)?;
+        let ext = CudaExt::new(backend.clone());
+        Ok(make::<Cuda>(backend, config, ext))
     }
 
     /// Whether this allocator makes pinned host memory ([`pinned`](Self::pinned)).
@@ -185,6 +191,14 @@ impl Allocator<Cuda> {
     pub fn context(&self) -> &Arc<cudarc::driver::CudaContext> {
         self.shared.ext.context()
     }
+}
+
+/// A pinned backend for `config` (registered memory if it says so) and the settings in effect
+/// (no expandable segments: pinned memory is not mapped on demand).
+fn pinned_parts(ordinal: usize, mut config: Config) -> Result<(Arc<CudaBackend>, Config)> {
+    config.expandable_segments = false;
+    let register = config.pinned_use_cuda_host_register.then_some(config.pinned_num_register_threads);
+    Ok((Arc::new(CudaBackend::pinned_with(ordinal, register)?), config))
 }
 
 impl Allocator<Host> {

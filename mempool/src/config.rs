@@ -8,6 +8,8 @@
 //! | `garbage_collection_threshold` | 0.0 < t < 1.0 | when reserved memory passes `t` × the memory-fraction limit, fully free cached segments are given back, oldest first, before new memory is asked for |
 //! | `roundup_power2_divisions` | a power of two, or `[256:1,512:2,>:4]` (MiB interval starts, `>` for the rest) | sizes are rounded up to the next of `divisions` steps between two powers of two |
 //! | `expandable_segments` | `True` or `False` (default) | the default pools map memory on demand into one reserved address range per (stream, pool kind) instead of allocating segments: a block can grow into the pages after it, so memory fragments far less; needs a device with virtual memory management (CUDA, sim) |
+//! | `pinned_use_cuda_host_register` | `True` or `False` (default) | pinned allocators (`Allocator::pinned`) take page-aligned host memory and register it (`cuMemHostRegister`) instead of `cuMemHostAlloc`, faulting its pages in first on `pinned_num_register_threads` threads |
+//! | `pinned_num_register_threads` | a power of two from 1 (default) to 128 | the threads that fault a new pinned segment's pages in |
 //! | `thread_cache` | `True` (default) or `False` | mempool's own: each thread keeps the blocks it freed last and reuses them for requests of the same size on the same stream without a lock; `False` gives every block to the shared best-fit sets, exactly as PyTorch places them |
 //!
 //! ```
@@ -28,8 +30,7 @@ use crate::rules::{divisions_index, LARGE_BUFFER, POWER2_INTERVALS};
 /// The environment variable read by the process-wide CUDA allocators.
 pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
 
-const KEYS: &str =
-    "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache";
+const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache, pinned_use_cuda_host_register, pinned_num_register_threads";
 const MIB: usize = 1 << 20;
 /// The most round-up divisions per power of two (steps of 1 KiB at 1 MiB).
 const MAX_DIVISIONS: usize = 1 << 10;
@@ -50,6 +51,10 @@ pub struct Config {
     /// The default pools map memory on demand into reserved address ranges (see the module's
     /// table).
     pub expandable_segments: bool,
+    /// Pinned allocators register page-aligned host memory instead of allocating it pinned.
+    pub pinned_use_cuda_host_register: bool,
+    /// The threads that fault a new registered segment's pages in.
+    pub pinned_num_register_threads: usize,
 }
 
 impl Default for Config {
@@ -61,6 +66,8 @@ impl Default for Config {
             memory_fraction: 1.0,
             thread_cache: true,
             expandable_segments: false,
+            pinned_use_cuda_host_register: false,
+            pinned_num_register_threads: 1,
         }
     }
 }
@@ -108,6 +115,10 @@ impl Config {
                     }
                 }
                 "thread_cache" => b.thread_cache(parse_bool(key, value)?),
+                "pinned_use_cuda_host_register" => b.pinned_use_cuda_host_register(parse_bool(key, value)?),
+                "pinned_num_register_threads" => {
+                    b.pinned_num_register_threads(parse_num(key, value, "a power of two from 1 to 128")?)
+                }
                 "expandable_segments" => b.expandable_segments(parse_bool(key, value)?),
                 other => {
                     return Err(Error::Config(format!("unknown key `{other}`; valid keys: {KEYS}")));
@@ -201,6 +212,22 @@ impl ConfigBuilder {
     /// Per-thread caches of recently freed blocks (default: on).
     pub fn thread_cache(mut self, on: bool) -> Self {
         self.config.thread_cache = on;
+        self
+    }
+
+    /// Pinned allocators register page-aligned host memory (`cuMemHostRegister`) instead of
+    /// allocating it pinned (default: off).
+    pub fn pinned_use_cuda_host_register(mut self, on: bool) -> Self {
+        self.config.pinned_use_cuda_host_register = on;
+        self
+    }
+
+    /// The threads that fault a new registered segment's pages in (a power of two, 1 to 128).
+    pub fn pinned_num_register_threads(mut self, n: usize) -> Self {
+        if !n.is_power_of_two() || n > 128 {
+            return self.fail(format!("pinned_num_register_threads must be a power of two from 1 to 128 (got {n})"));
+        }
+        self.config.pinned_num_register_threads = n;
         self
     }
 

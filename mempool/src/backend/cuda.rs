@@ -69,6 +69,9 @@ pub struct CudaBackend {
     /// Segments are page-locked host memory mapped for the device (`cuMemHostAlloc`), not
     /// device memory.
     pinned: bool,
+    /// Pinned segments are page-aligned host memory registered with `cuMemHostRegister`, their
+    /// pages faulted in first on this many threads (`pinned_use_cuda_host_register`).
+    register_threads: Option<usize>,
 }
 
 /// Runs `f` with this thread's stream-capture mode relaxed: a thread capturing a graph in global
@@ -153,6 +156,15 @@ fn alloc_prop(ordinal: usize, posix_fd: bool, rdma: bool) -> sys::CUmemAllocatio
     p
 }
 
+/// Host pages (registration and prefaulting work in pages).
+const PAGE: usize = 4096;
+
+/// The layout of a registered host segment of `size` bytes: page-aligned, whole pages.
+fn host_layout(size: usize) -> Result<std::alloc::Layout, BackendError> {
+    let bytes = size.checked_next_multiple_of(PAGE).ok_or(BackendError::OutOfMemory)?;
+    std::alloc::Layout::from_size_align(bytes.max(PAGE), PAGE).map_err(|_| BackendError::OutOfMemory)
+}
+
 /// The host's memory `(available, total)` from `/proc/meminfo` (Linux), for pinned backends'
 /// out-of-memory reports.
 fn host_memory_info() -> Option<(usize, usize)> {
@@ -173,19 +185,77 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
         let vm = Self::probe_vm(&ctx);
-        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm, pinned: false })
+        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm, pinned: false, register_threads: None })
     }
 
     /// Page-locked host memory for device `ordinal`'s streams: segments from `cuMemHostAlloc`
     /// (portable, mapped: under unified addressing the host address is the device address, so
     /// copies and kernels take it as they take device memory), events on the device's streams.
     pub fn pinned(ordinal: usize) -> Result<CudaBackend> {
+        Self::pinned_with(ordinal, None)
+    }
+
+    /// [`pinned`](Self::pinned); `register_threads`: take page-aligned host memory and register
+    /// it (`cuMemHostRegister`) after faulting its pages in on that many threads, as PyTorch's
+    /// `pinned_use_cuda_host_register` does (pinning a large segment is mostly page faults).
+    pub fn pinned_with(ordinal: usize, register_threads: Option<usize>) -> Result<CudaBackend> {
         let count = device_count()?;
         if ordinal >= count {
             return Err(Error::InvalidDevice { device: ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
-        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm: None, pinned: true })
+        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm: None, pinned: true, register_threads })
+    }
+
+    /// Page-aligned host memory, its pages faulted in on `threads` threads, then registered.
+    fn alloc_registered(&self, size: usize, threads: usize) -> Result<u64, BackendError> {
+        let layout = host_layout(size)?;
+        // SAFETY: `layout` has a non-zero size (segments are never empty).
+        let p = unsafe { std::alloc::alloc(layout) };
+        if p.is_null() {
+            return Err(BackendError::OutOfMemory);
+        }
+        let base = p as usize;
+        let per = layout.size().div_ceil(threads).next_multiple_of(PAGE);
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let (from, to) = ((t * per).min(layout.size()), ((t + 1) * per).min(layout.size()));
+                s.spawn(move || {
+                    let mut at = from;
+                    while at < to {
+                        // SAFETY: `base + at` lies inside the allocation made above, which this
+                        // thread alone writes in `from..to`; a byte written per page faults it in.
+                        unsafe { std::ptr::write_volatile((base + at) as *mut u8, 0) };
+                        at += PAGE;
+                    }
+                });
+            }
+        });
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: `p..p + size` is host memory this backend owns, not registered yet.
+        let r = relaxed(|| unsafe { sys::cuMemHostRegister_v2(p.cast(), layout.size(), flags) });
+        let dev_ok = r == CUresult::CUDA_SUCCESS && {
+            let mut dev: sys::CUdeviceptr = 0;
+            // SAFETY: `p` was just registered with DEVICEMAP.
+            let g = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, p.cast(), 0) };
+            g == CUresult::CUDA_SUCCESS && dev == p as u64
+        };
+        if !dev_ok {
+            if r == CUresult::CUDA_SUCCESS {
+                // SAFETY: registered just above, unregistered once.
+                let _ = unsafe { sys::cuMemHostUnregister(p.cast()) };
+            }
+            // SAFETY: allocated above with `layout`, freed once.
+            unsafe { std::alloc::dealloc(p, layout) };
+            return Err(match r {
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY => BackendError::OutOfMemory,
+                CUresult::CUDA_SUCCESS => BackendError::Failed(
+                    "registered host memory is not at the same device address (no unified addressing)".into(),
+                ),
+                r => BackendError::Failed(format!("cuMemHostRegister: {r:?}")),
+            });
+        }
+        Ok(p as u64)
     }
 
     /// Whether segments are pinned host memory ([`pinned`](Self::pinned)).
@@ -245,6 +315,9 @@ unsafe impl Backend for CudaBackend {
 
     fn alloc_segment(&self, size: usize, _stream: StreamId) -> Result<u64, BackendError> {
         self.bind()?;
+        if let (true, Some(threads)) = (self.pinned, self.register_threads) {
+            return self.alloc_registered(size, threads.max(1));
+        }
         if self.pinned {
             let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
             // SAFETY: the context is current; the memory is owned by the caching allocator until
@@ -294,8 +367,21 @@ unsafe impl Backend for CudaBackend {
         })
     }
 
-    unsafe fn free_segment(&self, addr: u64, _size: usize) -> Result<(), BackendError> {
+    unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         self.bind()?;
+        if self.pinned && self.register_threads.is_some() {
+            // SAFETY: `addr` came from `alloc_registered` (this backend makes no other segment
+            // in this mode), registered there; unused now.
+            let r = unsafe { sys::cuMemHostUnregister(addr as *mut std::ffi::c_void) };
+            if r != CUresult::CUDA_SUCCESS {
+                return Err(BackendError::Failed(format!("cuMemHostUnregister: {r:?}")));
+            }
+            let layout = host_layout(size)?;
+            // SAFETY: allocated by `alloc_registered` with this same layout (same size), freed
+            // once, no longer registered.
+            unsafe { std::alloc::dealloc(addr as *mut u8, layout) };
+            return Ok(());
+        }
         if self.pinned {
             // SAFETY: `addr` came from `malloc_host` (pinned backends make no other segment) and
             // is freed once, after every event guarding its blocks completed.
@@ -444,5 +530,101 @@ impl CudaBackend {
             return Err(release(e));
         }
         Ok(h)
+    }
+}
+
+/// Host memory of yours, page-locked and mapped for a device while this lives
+/// (`cuMemHostRegister`, PyTorch's `cudaHostRegister`): copies from it run at pinned speed, and
+/// [`device_ptr`](Self::device_ptr) is its address for the device. Unregistered on drop. The
+/// registration holds the memory's only borrow, so nothing else in safe code can touch it (nor
+/// register it again) meanwhile.
+pub struct HostRegistration<'a> {
+    ctx: Arc<CudaContext>,
+    mem: &'a mut [u8],
+    dev: u64,
+}
+
+impl std::fmt::Debug for HostRegistration<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRegistration")
+            .field("ptr", &self.mem.as_ptr())
+            .field("len", &self.mem.len())
+            .field("device", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+impl<'a> HostRegistration<'a> {
+    /// Registers `mem` for device `device`. Errors: an empty range; memory already registered,
+    /// wholly or in part (pinned memory from `cuMemHostAlloc` included): nothing is changed;
+    /// the driver's other refusals.
+    pub fn new(device: usize, mem: &'a mut [u8]) -> Result<HostRegistration<'a>> {
+        if mem.is_empty() {
+            return Err(Error::Backend {
+                op: "cuMemHostRegister",
+                message: "an empty range cannot be registered".into(),
+            });
+        }
+        let count = device_count()?;
+        if device >= count {
+            return Err(Error::InvalidDevice { device, count });
+        }
+        let ctx = CudaContext::new(device).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
+        ctx.bind_to_thread().map_err(|e| driver_err("binding the device", e))?;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: `mem` is a live range of this process's memory, borrowed exclusively for the
+        // registration's life; registering changes none of its bytes.
+        let r = unsafe { sys::cuMemHostRegister_v2(mem.as_mut_ptr().cast(), mem.len(), flags) };
+        match r {
+            CUresult::CUDA_SUCCESS => {}
+            CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {
+                return Err(Error::Backend {
+                    op: "cuMemHostRegister",
+                    message: format!(
+                        "{:p}..+{} is already registered (wholly or in part), or is pinned memory: nothing was changed",
+                        mem.as_ptr(),
+                        mem.len()
+                    ),
+                })
+            }
+            r => {
+                return Err(Error::Backend {
+                    op: "cuMemHostRegister",
+                    message: format!(
+                        "{:p}..+{}: the driver refuses it ({r:?}; memory from cuMemHostAlloc gets CUDA_ERROR_INVALID_VALUE): nothing was changed",
+                        mem.as_ptr(),
+                        mem.len()
+                    ),
+                })
+            }
+        }
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: registered just above with DEVICEMAP.
+        let g = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, mem.as_mut_ptr().cast(), 0) };
+        if g != CUresult::CUDA_SUCCESS {
+            // SAFETY: registered above; undone once.
+            let _ = unsafe { sys::cuMemHostUnregister(mem.as_mut_ptr().cast()) };
+            return Err(Error::Backend { op: "cuMemHostGetDevicePointer", message: format!("{g:?}") });
+        }
+        Ok(HostRegistration { ctx, mem, dev })
+    }
+
+    /// The memory's address for the device (its host address under unified addressing).
+    pub fn device_ptr(&self) -> u64 {
+        self.dev
+    }
+
+    /// The memory.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem
+    }
+}
+
+impl Drop for HostRegistration<'_> {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: registered by `new`, unregistered once; errors are ignored (`Drop`).
+            let _ = unsafe { sys::cuMemHostUnregister(self.mem.as_mut_ptr().cast()) };
+        }
     }
 }
