@@ -22,6 +22,7 @@ pub mod cuda;
 pub mod host;
 pub mod host_numa;
 pub mod sim;
+pub mod stream_ordered;
 
 use std::any::Any;
 use std::fmt;

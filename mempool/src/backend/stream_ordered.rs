@@ -1,0 +1,240 @@
+//! CUDA's stream-ordered allocator as a segment source: an explicit `cuMemPoolCreate` pool whose
+//! segments come from `cuMemAllocFromPoolAsync` on the segment's stream and go back with
+//! `cuMemFreeAsync` on that same stream (alive during the call: the caching allocator keeps it;
+//! never the default stream in its place). Any `MemPool` can take it
+//! (`PoolOptions::shared_allocator(Arc::new(StreamOrderedAllocator::new(device, options)?))`); the
+//! caching layer in front serves repeated sizes without a driver call.
+//!
+//! The driver pool's own settings are reachable: release threshold, reuse policies, maximum size,
+//! [`trim_to`](StreamOrderedAllocator::trim_to), its reserved/used bytes next to our statistics,
+//! and [`access_from`](StreamOrderedAllocator::access_from) for peers (`cuCtxEnablePeerAccess`
+//! does not reach pool memory: the pool's access must be set).
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::CudaContext;
+
+use super::{BackendError, RawAllocator};
+use crate::error::{Error, Result};
+use crate::id::StreamId;
+
+/// How the driver pool is made and behaves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamOrderedOptions {
+    /// Bytes the pool keeps after a synchronisation instead of giving them back (the driver's
+    /// default is 0; `u64::MAX` keeps everything, as PyTorch's `cudaMallocAsync` backend does).
+    pub release_threshold: u64,
+    /// The pool's maximum size in bytes (0: no limit).
+    pub max_size: usize,
+    /// Reuse memory freed on another stream when the free's event is known complete.
+    pub reuse_follow_event_dependencies: bool,
+    /// Reuse memory freed on another stream opportunistically.
+    pub reuse_allow_opportunistic: bool,
+    /// Reuse memory freed on another stream by inserting dependencies.
+    pub reuse_allow_internal_dependencies: bool,
+}
+
+impl Default for StreamOrderedOptions {
+    fn default() -> Self {
+        StreamOrderedOptions {
+            release_threshold: u64::MAX,
+            max_size: 0,
+            reuse_follow_event_dependencies: true,
+            reuse_allow_opportunistic: true,
+            reuse_allow_internal_dependencies: true,
+        }
+    }
+}
+
+/// An explicit CUDA memory pool as a segment source (see the module's documentation).
+pub struct StreamOrderedAllocator {
+    ctx: Arc<CudaContext>,
+    pool: sys::CUmemoryPool,
+    name: String,
+}
+
+// SAFETY: a `CUmemoryPool` is a driver handle usable from any thread; the struct owns it.
+unsafe impl Send for StreamOrderedAllocator {}
+// SAFETY: as above; every call on the handle is thread-safe in the driver.
+unsafe impl Sync for StreamOrderedAllocator {}
+
+impl std::fmt::Debug for StreamOrderedAllocator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamOrderedAllocator").field("device", &self.ctx.ordinal()).finish()
+    }
+}
+
+fn check(op: &'static str, r: CUresult) -> Result<()> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Backend { op, message: format!("{r:?}") })
+    }
+}
+
+impl StreamOrderedAllocator {
+    /// A new driver pool on device `device`. Errors: no such device, a device without
+    /// stream-ordered pools, the driver's refusal.
+    pub fn new(device: usize, options: StreamOrderedOptions) -> Result<StreamOrderedAllocator> {
+        let count = super::cuda::device_count()?;
+        if device >= count {
+            return Err(Error::InvalidDevice { device, count });
+        }
+        let ctx = CudaContext::new(device)
+            .map_err(|e| Error::Backend { op: "opening the device", message: e.to_string() })?;
+        ctx.bind_to_thread().map_err(|e| Error::Backend { op: "binding the device", message: e.to_string() })?;
+        if ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).unwrap_or(0) == 0 {
+            return Err(Error::Config(format!("device {device} has no stream-ordered memory pools")));
+        }
+        // SAFETY: a plain C struct; all-zero is its "nothing requested" value.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = device as i32;
+        props.maxSize = options.max_size;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: out-parameter and a valid property struct.
+        check("cuMemPoolCreate", unsafe { sys::cuMemPoolCreate(&mut pool, &props) })?;
+        let me = StreamOrderedAllocator { ctx, pool, name: format!("cudaMallocAsync pool of device {device}") };
+        me.set_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, options.release_threshold)?;
+        for (attr, on) in [
+            (
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES,
+                options.reuse_follow_event_dependencies,
+            ),
+            (sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC, options.reuse_allow_opportunistic),
+            (
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                options.reuse_allow_internal_dependencies,
+            ),
+        ] {
+            let mut v: i32 = on.into();
+            // SAFETY: a boolean attribute of a live pool, given an `int`.
+            check("cuMemPoolSetAttribute", unsafe {
+                sys::cuMemPoolSetAttribute(me.pool, attr, (&mut v as *mut i32).cast())
+            })?;
+        }
+        Ok(me)
+    }
+
+    fn set_u64(&self, attr: sys::CUmemPool_attribute, v: u64) -> Result<()> {
+        let mut v = v;
+        // SAFETY: a 64-bit attribute of a live pool, given a `cuuint64_t`.
+        check("cuMemPoolSetAttribute", unsafe {
+            sys::cuMemPoolSetAttribute(self.pool, attr, (&mut v as *mut u64).cast())
+        })
+    }
+
+    fn get_u64(&self, attr: sys::CUmemPool_attribute) -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: a 64-bit attribute of a live pool, read into a `cuuint64_t`.
+        check("cuMemPoolGetAttribute", unsafe {
+            sys::cuMemPoolGetAttribute(self.pool, attr, (&mut v as *mut u64).cast())
+        })?;
+        Ok(v)
+    }
+
+    /// Bytes the driver pool holds from the device now (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`).
+    pub fn reserved(&self) -> Result<u64> {
+        self.get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+    }
+
+    /// Bytes of the driver pool in use now (`CU_MEMPOOL_ATTR_USED_MEM_CURRENT`): the segments
+    /// the caching layer holds.
+    pub fn used(&self) -> Result<u64> {
+        self.get_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+    }
+
+    /// Sets the release threshold (see [`StreamOrderedOptions::release_threshold`]).
+    pub fn set_release_threshold(&self, bytes: u64) -> Result<()> {
+        self.set_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, bytes)
+    }
+
+    /// Gives the driver pool's unused memory back to the device until it holds at most `bytes`
+    /// (`cuMemPoolTrimTo`). The caching layer's segments are in use for the driver: empty the
+    /// `MemPool`'s cache first.
+    pub fn trim_to(&self, bytes: usize) -> Result<()> {
+        // SAFETY: a live pool.
+        check("cuMemPoolTrimTo", unsafe { sys::cuMemPoolTrimTo(self.pool, bytes) })
+    }
+
+    /// Lets device `peer` read and write the pool's memory (`cuMemPoolSetAccess`), for its
+    /// kernels and copies; pool memory is not reached by `cuCtxEnablePeerAccess`. Errors: no
+    /// such device, or a device that cannot reach this one.
+    pub fn access_from(&self, peer: usize) -> Result<()> {
+        let count = super::cuda::device_count()?;
+        if peer >= count {
+            return Err(Error::InvalidDevice { device: peer, count });
+        }
+        if peer == self.ctx.ordinal() {
+            return Ok(());
+        }
+        // SAFETY: a plain C struct; all-zero is a valid start.
+        let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        d.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        d.location.id = peer as i32;
+        d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: a live pool and one valid descriptor.
+        check("cuMemPoolSetAccess", unsafe { sys::cuMemPoolSetAccess(self.pool, &d, 1) }).map_err(|e| match e {
+            Error::Backend { message, .. } => Error::Backend {
+                op: "cuMemPoolSetAccess",
+                message: format!(
+                    "device {peer} cannot be given access to device {}'s pool: {message}",
+                    self.ctx.ordinal()
+                ),
+            },
+            e => e,
+        })
+    }
+}
+
+impl Drop for StreamOrderedAllocator {
+    fn drop(&mut self) {
+        // The pool outlives every segment: a `MemPool` holds this allocator until its last
+        // segment went back. Errors are ignored (`Drop`).
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: the pool is destroyed once; its allocations were all freed.
+            let _ = unsafe { sys::cuMemPoolDestroy(self.pool) };
+        }
+    }
+}
+
+// SAFETY: `alloc` returns `size` bytes of this device's memory from the driver pool, allocated in
+// the order of `stream` (the caching allocator hands its blocks out on that stream only, so every
+// use is ordered after the allocation) and used by nothing else until `free` gives them back with
+// `cuMemFreeAsync` on the same stream, after which the driver reuses them only in stream order.
+// A failed free leaves the memory allocated (the driver changes nothing on error).
+unsafe impl RawAllocator for StreamOrderedAllocator {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError> {
+        if device != self.ctx.ordinal() {
+            return Err(BackendError::Failed(format!("{} does not serve device {device}", self.name)));
+        }
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-parameter; a live pool; `stream` is a live stream of this device (the
+        // caller's contract).
+        let r = unsafe { sys::cuMemAllocFromPoolAsync(&mut p, size, self.pool, stream.0 as sys::CUstream) };
+        match r {
+            CUresult::CUDA_SUCCESS => Ok(p),
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(BackendError::OutOfMemory),
+            r => Err(BackendError::Failed(format!("cuMemAllocFromPoolAsync: {r:?}"))),
+        }
+    }
+
+    unsafe fn free(&self, ptr: u64, _size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        // SAFETY: `ptr` came from `alloc` on `stream`, which is alive during the call and after
+        // whose queued work the memory is reused (stream order); freed once.
+        let r = unsafe { sys::cuMemFreeAsync(ptr, stream.0 as sys::CUstream) };
+        if r == CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(BackendError::Failed(format!("cuMemFreeAsync: {r:?}")))
+        }
+    }
+}
