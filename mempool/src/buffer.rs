@@ -163,8 +163,9 @@ impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
     /// memory (no host view), or the stream's work failed.
     pub fn host_slice(&self) -> Result<&[T]> {
         let ptr = self.host_ptr("Buffer::host_slice")?;
-        // SAFETY: `ptr` is `len` elements of page-locked host memory this buffer owns, mapped in
-        // this process (checked by `host_ptr`: a pinned allocator's own segment), aligned for
+        // SAFETY: `ptr` is `len` elements of host memory this buffer owns, mapped for the CPU in
+        // this process (checked by `host_ptr`: a pinned allocator's own segment, or a segment of a
+        // source whose `unsafe impl RawAllocator` promises host visibility), aligned for
         // `T` (blocks are 512-byte aligned), or a dangling pointer for a buffer of no bytes; the
         // device's writes to it are done (its stream and every stream recorded as using it were
         // waited for; cudarc's uses on other streams were synchronised when their borrows ended)
@@ -187,10 +188,12 @@ impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
     /// non-null) pointer for a buffer of no bytes, or an error: device memory, a stream being
     /// captured into a graph (waiting would break the capture), a failed wait.
     fn host_ptr(&self, op: &'static str) -> Result<*mut T> {
-        if !self.shared.ext.is_pinned() {
+        let visible = self.shared.ext.is_pinned()
+            || self.block.as_ref().is_some_and(|a| self.shared.core.block_host_visible(a.block));
+        if !visible {
             return Err(crate::Error::Backend {
                 op,
-                message: "device memory has no host view: allocate from Allocator::pinned for host-visible buffers"
+                message: "device memory has no host view: allocate from Allocator::pinned, or from a pool whose segment source is host-visible (HostNumaAllocator), for host-visible buffers"
                     .into(),
             });
         }

@@ -189,10 +189,16 @@ impl<K: Kind> MemPool<K> {
     /// a pool allocator whose `granularity` or `name` panics ([`Error::PoolAllocator`]).
     pub fn on(alloc: &Allocator<K>, options: PoolOptions) -> Result<MemPool<K>> {
         let id = PoolId::fresh();
-        let (raw_gran, name) = match &options.allocator {
-            None => (512, alloc.backend_kind().to_string()),
-            Some(a) => contain("RawAllocator::granularity and name", || Ok((a.granularity(), a.name().to_string())))
-                .map_err(|e| Error::PoolAllocator { pool: id.0, allocator: "?".into(), message: e.to_string() })?,
+        let (raw_gran, name, host_visible) = match &options.allocator {
+            None => (512, alloc.backend_kind().to_string(), false),
+            Some(a) => contain("RawAllocator::granularity, name and host_visible", || {
+                Ok((a.granularity(), a.name().to_string(), a.host_visible()))
+            })
+            .map_err(|e| Error::PoolAllocator {
+                pool: id.0,
+                allocator: "?".into(),
+                message: e.to_string(),
+            })?,
         };
         let asked = options.granularity.unwrap_or(512);
         for (what, g) in [("PoolOptions::granularity", asked), ("RawAllocator::granularity", raw_gran)] {
@@ -235,6 +241,7 @@ impl<K: Kind> MemPool<K> {
             granularity: asked.max(raw_gran).max(512),
             align: raw_gran.max(512),
             name,
+            host_visible,
         };
         let pool = alloc.shared.core.register_pool(spec);
         Ok(MemPool { inner: Arc::new(PoolInner { alloc: alloc.clone(), pool }) })

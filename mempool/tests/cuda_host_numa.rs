@@ -60,14 +60,16 @@ fn a_region_routed_to_host_numa_memory() {
     println!("node {}: {} MiB taken from the host while held", numa.node(), held >> 20);
     assert!(held >= (N as u64 * 4) * 9 / 10, "the buffer's memory came from the host: {held}");
     if numa.cpu_access() {
-        let p = buf.device_ptr_raw() as *const u32;
-        // SAFETY: `buf` is mapped for the CPU (granted, `cpu_access`), `N` u32 long, and the
-        // device's writes to it are done (the stream was synchronised); nothing writes it now.
-        let host = unsafe { std::slice::from_raw_parts(p, N) };
-        assert_eq!(host, &data[..], "the CPU reads what the device wrote");
+        // The safe host view: it waits for the device's writes first.
+        assert_eq!(buf.host_slice().unwrap(), &data[..], "the CPU reads what the device wrote");
+        buf.host_slice_mut().unwrap()[0] = 12345;
+        assert_eq!(stream.clone_dtoh(&buf).unwrap()[0], 12345, "the device reads what the CPU wrote");
     } else {
-        println!("the driver granted the device alone: no CPU view checked");
+        println!("the driver granted the device alone: no CPU view");
+        assert!(buf.host_slice().is_err());
     }
+    // Device memory of the same allocator has no host view.
+    assert!(dev.host_slice().unwrap_err().to_string().contains("no host view"));
     // Grows: a second buffer in the pool; shrinks: both freed and the cache emptied.
     let two = {
         let _in = pool.scope();

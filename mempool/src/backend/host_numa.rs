@@ -107,8 +107,9 @@ pub struct HostNumaAllocator {
     ctx: Arc<CudaContext>,
     node: i32,
     granularity: usize,
-    /// The CPU was granted access too (else only the device reaches the memory).
-    cpu_access: std::sync::atomic::AtomicBool,
+    /// The CPU is granted access too (decided once, at creation, by mapping a probe page);
+    /// else only the device reaches the memory.
+    cpu_access: bool,
     name: String,
 }
 
@@ -171,13 +172,18 @@ impl HostNumaAllocator {
             )));
         }
         let granularity = g.max(512).next_power_of_two();
-        Ok(HostNumaAllocator {
-            ctx,
-            node,
-            granularity,
-            cpu_access: std::sync::atomic::AtomicBool::new(true),
-            name: format!("host-numa node {node}"),
-        })
+        let mut me =
+            HostNumaAllocator { ctx, node, granularity, cpu_access: true, name: format!("host-numa node {node}") };
+        // Whether the driver grants the CPU access: one probe segment, mapped and given back.
+        me.cpu_access = match me.map(granularity, true) {
+            Ok(addr) => {
+                // SAFETY: mapped just above by `map`, of `granularity` bytes, used by nobody.
+                let _ = unsafe { me.unmap(addr, granularity) };
+                true
+            }
+            Err(_) => false,
+        };
+        Ok(me)
     }
 
     /// The NUMA node.
@@ -185,53 +191,16 @@ impl HostNumaAllocator {
         self.node
     }
 
-    /// Whether the CPU may read and write the memory at the device address (the driver granted
-    /// it when the last segment was mapped).
+    /// Whether the CPU may read and write the memory at the device address (the driver grants
+    /// it: probed at creation). Then the pool's buffers have host views
+    /// ([`Buffer::host_slice`](crate::Buffer::host_slice)).
     pub fn cpu_access(&self) -> bool {
-        self.cpu_access.load(std::sync::atomic::Ordering::Relaxed)
+        self.cpu_access
     }
 
-    fn access(&self, node_too: bool) -> Vec<sys::CUmemAccessDesc> {
-        // SAFETY: plain C structs; all-zero is a valid start.
-        let mut dev: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        dev.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        dev.location.id = self.ctx.ordinal() as i32;
-        dev.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-        let mut v = vec![dev];
-        if node_too {
-            // SAFETY: as above.
-            let mut host: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-            host.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
-            host.location.id = self.node;
-            host.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-            v.push(host);
-        }
-        v
-    }
-}
-
-// SAFETY: `alloc` returns the address of `size` bytes (a multiple of the granularity, aligned to
-// it) freshly created with `cuMemCreate` on the node and mapped read/write for the device at an
-// address reserved for this segment alone, so nothing else uses it until `free`; `free` unmaps
-// and releases exactly that segment, and reports `Err` only when nothing was released (the
-// segment is still mapped and usable).
-unsafe impl RawAllocator for HostNumaAllocator {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn granularity(&self) -> usize {
-        self.granularity
-    }
-
-    fn alloc(&self, size: usize, device: usize, _stream: StreamId) -> Result<u64, BackendError> {
-        if device != self.ctx.ordinal() {
-            return Err(BackendError::Failed(format!(
-                "{} serves device {}, not device {device}",
-                self.name,
-                self.ctx.ordinal()
-            )));
-        }
+    /// `size` bytes (a granularity multiple) created on the node, mapped at a range reserved for
+    /// them alone, with read/write access for the device, and the CPU if `cpu`.
+    fn map(&self, size: usize, cpu: bool) -> Result<u64, BackendError> {
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
         let p = prop(self.node);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
@@ -259,38 +228,31 @@ unsafe impl RawAllocator for HostNumaAllocator {
         };
         // SAFETY: the whole allocation mapped at the start of its own reserved range.
         let r = unsafe { sys::cuMemMap(addr, size, 0, handle, 0) };
+        // The mapping (if made) holds the memory: the handle goes either way.
+        release(handle);
         if r != CUresult::CUDA_SUCCESS {
             unreserve(addr);
-            release(handle);
             return Err(BackendError::Failed(format!("cuMemMap: {r:?}")));
         }
-        // The mapping holds the memory: the handle can go now (released with the unmap).
-        release(handle);
-        // Device and CPU; if the driver refuses the CPU descriptor, the device alone.
-        let mut granted = false;
-        for node_too in [true, false] {
-            let desc = self.access(node_too);
-            // SAFETY: `addr..addr + size` is mapped above; `desc` lists valid descriptors.
-            if unsafe { sys::cuMemSetAccess(addr, size, desc.as_ptr(), desc.len()) } == CUresult::CUDA_SUCCESS {
-                self.cpu_access.store(node_too, std::sync::atomic::Ordering::Relaxed);
-                granted = true;
-                break;
-            }
-        }
-        if !granted {
-            // SAFETY: the mapping made above, unmapped once, then its range freed.
-            unsafe {
-                let _ = sys::cuMemUnmap(addr, size);
-            }
+        let desc = self.access(cpu);
+        // SAFETY: `addr..addr + size` is mapped above; `desc` lists valid descriptors.
+        let r = unsafe { sys::cuMemSetAccess(addr, size, desc.as_ptr(), desc.len()) };
+        if r != CUresult::CUDA_SUCCESS {
+            // SAFETY: the mapping made above, unmapped once (then its range freed).
+            let _ = unsafe { sys::cuMemUnmap(addr, size) };
             unreserve(addr);
-            return Err(BackendError::Failed("cuMemSetAccess refused the device's access".into()));
+            return Err(BackendError::Failed(format!("cuMemSetAccess: {r:?}")));
         }
         Ok(addr)
     }
 
-    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+    /// Unmaps a range `map` made and frees its address range (the memory goes with the unmap).
+    ///
+    /// # Safety
+    /// `ptr..ptr + size` is exactly a range `map` returned, not unmapped yet, unused.
+    unsafe fn unmap(&self, ptr: u64, size: usize) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
-        // SAFETY: `ptr`/`size` are a segment `alloc` mapped (the caller's contract), unused now.
+        // SAFETY: the caller's contract.
         let r = unsafe { sys::cuMemUnmap(ptr, size) };
         if r != CUresult::CUDA_SUCCESS {
             return Err(BackendError::Failed(format!("cuMemUnmap: {r:?}")));
@@ -299,5 +261,59 @@ unsafe impl RawAllocator for HostNumaAllocator {
         // went back with the unmap: a failure here leaks address space only, so it is `Ok`.
         let _ = unsafe { sys::cuMemAddressFree(ptr, size) };
         Ok(())
+    }
+
+    fn access(&self, node_too: bool) -> Vec<sys::CUmemAccessDesc> {
+        // SAFETY: plain C structs; all-zero is a valid start.
+        let mut dev: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        dev.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        dev.location.id = self.ctx.ordinal() as i32;
+        dev.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        let mut v = vec![dev];
+        if node_too {
+            // SAFETY: as above.
+            let mut host: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+            host.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
+            host.location.id = self.node;
+            host.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            v.push(host);
+        }
+        v
+    }
+}
+
+// SAFETY: `alloc` returns the address of `size` bytes (a multiple of the granularity, aligned to
+// it) freshly created with `cuMemCreate` on the node and mapped read/write for the device at an
+// address reserved for this segment alone, so nothing else uses it until `free`; `free` unmaps
+// and releases exactly that segment, and reports `Err` only when nothing was released (the
+// segment is still mapped and usable). `host_visible` is true only when every segment is mapped
+// with read/write access for the CPU too (decided once at creation; `map` fails otherwise).
+unsafe impl RawAllocator for HostNumaAllocator {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    fn host_visible(&self) -> bool {
+        self.cpu_access
+    }
+
+    fn alloc(&self, size: usize, device: usize, _stream: StreamId) -> Result<u64, BackendError> {
+        if device != self.ctx.ordinal() {
+            return Err(BackendError::Failed(format!(
+                "{} serves device {}, not device {device}",
+                self.name,
+                self.ctx.ordinal()
+            )));
+        }
+        self.map(size, self.cpu_access)
+    }
+
+    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
+        // SAFETY: the caller's contract: a segment `alloc` (so `map`) made, unused now.
+        unsafe { self.unmap(ptr, size) }
     }
 }

@@ -238,7 +238,9 @@ pub trait MapGuard: Send + Sync + 'static {
 /// that nothing else uses until the same range is given back to [`free`](RawAllocator::free),
 /// and that a `free` which returns `Err` (or panics) did **not** give it back: the range is
 /// still the caller's, untouched, and the allocator puts it back in its cache and keeps using
-/// it. A `free` that cannot tell whether it freed the memory must return `Ok` (and leak).
+/// it. A `free` that cannot tell whether it freed the memory must return `Ok` (and leak). An
+/// allocator whose [`host_visible`](RawAllocator::host_visible) is true promises besides that
+/// the CPU may read and write every segment at its address while it lives.
 /// The allocator hands these bytes to safe code; a made-up, shared or too small range would be
 /// undefined behaviour that the safe API could reach.
 pub unsafe trait RawAllocator: Send + Sync + 'static {
@@ -258,6 +260,14 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
     /// at least 512). NCCL/NVLS buffers want the multicast granularity, typically 2 MiB.
     fn granularity(&self) -> usize {
         512
+    }
+    /// Whether the segments are host memory the CPU may read and write at the address `alloc`
+    /// returned, for as long as the segment lives (default: no). Saying yes is part of the
+    /// trait's safety contract: the pool's buffers then get host views
+    /// ([`Buffer::host_slice`](crate::Buffer::host_slice)), and a freed block waits for its own
+    /// stream's work before the next owner gets it (the host is not stream-ordered).
+    fn host_visible(&self) -> bool {
+        false
     }
 }
 

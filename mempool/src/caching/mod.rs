@@ -233,6 +233,7 @@ impl DeviceAllocator {
             expandable: config.expandable_segments && backend.vm_granularity().is_some(),
             merge_runs: true,
             map_guard: None,
+            host_visible: false,
         };
         let device = backend.device();
         let caches = tcache::Registry::default();
@@ -978,6 +979,17 @@ impl DeviceAllocator {
     }
 
     /// The keep-alive of the stream a block's segment serves.
+    /// Whether `block`'s memory is host-visible: a pinned allocator's, or a pool's whose
+    /// segment source says so.
+    pub(crate) fn block_host_visible(&self, block: BlockIdx) -> bool {
+        if self.host_visible {
+            return true;
+        }
+        let st = self.lock();
+        let pool = st.block(block).pool;
+        st.pools[pool.get()].spec.host_visible
+    }
+
     /// Waits for the work queued so far on every stream recorded as using `block`
     /// (`record_stream`), its own excluded: an event recorded on each and waited for.
     pub(crate) fn wait_for_uses(&self, block: BlockIdx) -> Result<()> {

@@ -109,6 +109,8 @@ pub(crate) struct PoolSpec {
     pub(crate) merge_runs: bool,
     /// With `expandable`: told of every physical allocation mapped, asked before each unmap.
     pub(crate) map_guard: Option<Arc<dyn crate::backend::MapGuard>>,
+    /// Its segment source's memory is host-visible (`RawAllocator::host_visible`).
+    pub(crate) host_visible: bool,
 }
 
 impl std::fmt::Debug for PoolSpec {
@@ -654,7 +656,7 @@ impl State {
         } else {
             Vec::new()
         };
-        if self.host_visible && device_used {
+        if (self.host_visible && device_used) || self.pools[pool.get()].spec.host_visible {
             // The next owner may write it from the host at once, not in stream order: wait for
             // the block's own stream as for the others (its segment keeps that stream alive).
             let seg = self.block(block).seg;
