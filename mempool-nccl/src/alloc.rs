@@ -153,6 +153,11 @@ unsafe impl RawAllocator for NcclMemAllocator {
     fn granularity(&self) -> usize {
         self.granularity
     }
+
+    /// `ncclMemAlloc` gives CUDA device memory: only CUDA allocators take it.
+    fn serves(&self, backend_kind: &str) -> bool {
+        backend_kind == "cuda"
+    }
 }
 
 fn held(ptr: u64, size: usize) -> BackendError {

@@ -109,7 +109,11 @@ impl Allocator<Cuda> {
             return Ok(a.clone());
         }
         let config = Config::from_env()?;
-        let backend = Arc::new(CudaBackend::new(ordinal)?);
+        let backend = Arc::new(if config.malloc_async {
+            CudaBackend::malloc_async(ordinal)?
+        } else {
+            CudaBackend::new(ordinal)?
+        });
         if config.expandable_segments && backend.vm_granularity().is_none() {
             return Err(Error::Config(format!(
                 "{}: expandable_segments:True, but CUDA device {ordinal} has no virtual memory management",

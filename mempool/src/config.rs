@@ -10,6 +10,7 @@
 //! | `expandable_segments` | `True` or `False` (default) | the default pools map memory on demand into one reserved address range per (stream, pool kind) instead of allocating segments: a block can grow into the pages after it, so memory fragments far less; needs a device with virtual memory management (CUDA, sim) |
 //! | `pinned_use_cuda_host_register` | `True` or `False` (default) | pinned allocators (`Allocator::pinned`) take page-aligned host memory and register it (`cuMemHostRegister`) instead of `cuMemHostAlloc`, faulting its pages in first on `pinned_num_register_threads` threads |
 //! | `pinned_num_register_threads` | a power of two from 1 (default) to 128 | the threads that fault a new pinned segment's pages in |
+//! | `backend` | `native` (default) or `cudaMallocAsync` | `cudaMallocAsync`: the default pools of CUDA allocators take every buffer straight from a stream-ordered driver pool (`cuMemAllocFromPoolAsync`) and give it straight back at its free, with no caching layer, as PyTorch's backend of that name (not with `expandable_segments`) |
 //! | `thread_cache` | `True` (default) or `False` | mempool's own: each thread keeps the blocks it freed last and reuses them for requests of the same size on the same stream without a lock; `False` gives every block to the shared best-fit sets, exactly as PyTorch places them |
 //!
 //! ```
@@ -30,7 +31,7 @@ use crate::rules::{divisions_index, LARGE_BUFFER, POWER2_INTERVALS};
 /// The environment variable read by the process-wide CUDA allocators.
 pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
 
-const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache, pinned_use_cuda_host_register, pinned_num_register_threads";
+const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache, pinned_use_cuda_host_register, pinned_num_register_threads, backend";
 const MIB: usize = 1 << 20;
 /// The most round-up divisions per power of two (steps of 1 KiB at 1 MiB).
 const MAX_DIVISIONS: usize = 1 << 10;
@@ -55,6 +56,9 @@ pub struct Config {
     pub pinned_use_cuda_host_register: bool,
     /// The threads that fault a new registered segment's pages in.
     pub pinned_num_register_threads: usize,
+    /// `backend:cudaMallocAsync`: the default pools pass every buffer to a stream-ordered driver
+    /// pool with no caching (see the module's table).
+    pub malloc_async: bool,
 }
 
 impl Default for Config {
@@ -68,6 +72,7 @@ impl Default for Config {
             expandable_segments: false,
             pinned_use_cuda_host_register: false,
             pinned_num_register_threads: 1,
+            malloc_async: false,
         }
     }
 }
@@ -116,6 +121,15 @@ impl Config {
                 }
                 "thread_cache" => b.thread_cache(parse_bool(key, value)?),
                 "pinned_use_cuda_host_register" => b.pinned_use_cuda_host_register(parse_bool(key, value)?),
+                "backend" => match value {
+                    "native" => b.malloc_async(false),
+                    "cudaMallocAsync" => b.malloc_async(true),
+                    other => {
+                        return Err(Error::Config(format!(
+                            "backend:{other}: valid values are `native` and `cudaMallocAsync`"
+                        )))
+                    }
+                },
                 "pinned_num_register_threads" => {
                     b.pinned_num_register_threads(parse_num(key, value, "a power of two from 1 to 128")?)
                 }
@@ -231,6 +245,12 @@ impl ConfigBuilder {
         self
     }
 
+    /// `backend:cudaMallocAsync` (true) or `backend:native` (false, the default).
+    pub fn malloc_async(mut self, on: bool) -> Self {
+        self.config.malloc_async = on;
+        self
+    }
+
     /// Expandable segments for the default pools (default: off).
     pub fn expandable_segments(mut self, on: bool) -> Self {
         self.config.expandable_segments = on;
@@ -250,6 +270,9 @@ impl ConfigBuilder {
     pub fn build(self) -> Result<Config> {
         match self.error {
             Some(e) => Err(e),
+            None if self.config.malloc_async && self.config.expandable_segments => Err(Error::Config(
+                "backend:cudaMallocAsync takes every buffer from the driver's pool: it cannot be combined with expandable_segments:True".into(),
+            )),
             None => Ok(self.config),
         }
     }
@@ -312,6 +335,15 @@ fn parse_intervals(value: &str) -> Result<Vec<(Option<usize>, usize)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn backend_values() {
+        assert!(Config::parse("backend:cudaMallocAsync").unwrap().malloc_async);
+        assert!(!Config::parse("backend:native").unwrap().malloc_async);
+        let e = Config::parse("backend:cuda").unwrap_err();
+        assert!(e.to_string().contains("native") && e.to_string().contains("cudaMallocAsync"), "{e}");
+        assert!(Config::parse("backend:cudaMallocAsync,expandable_segments:True").is_err());
+    }
 
     #[test]
     fn parses_all_keys() {

@@ -140,4 +140,12 @@ unsafe impl<A: RawAllocator> RawAllocator for Counting<A> {
     fn granularity(&self) -> usize {
         self.inner.granularity()
     }
+
+    fn host_visible(&self) -> bool {
+        self.inner.host_visible()
+    }
+
+    fn serves(&self, backend_kind: &str) -> bool {
+        self.inner.serves(backend_kind)
+    }
 }

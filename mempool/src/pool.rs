@@ -42,6 +42,7 @@ pub struct PoolOptions {
     expandable: bool,
     no_span: bool,
     map_guard: Option<Arc<dyn MapGuard>>,
+    no_cache: bool,
 }
 
 impl fmt::Debug for PoolOptions {
@@ -54,6 +55,7 @@ impl fmt::Debug for PoolOptions {
             .field("expandable", &self.expandable)
             .field("no_span", &self.no_span)
             .field("map_guard", &self.map_guard.is_some())
+            .field("no_cache", &self.no_cache)
             .finish()
     }
 }
@@ -88,6 +90,16 @@ impl PoolOptions {
     /// and for buffers that must be symmetric across ranks).
     pub fn no_split(mut self, yes: bool) -> PoolOptions {
         self.no_split = yes;
+        self
+    }
+
+    /// No caching layer: every buffer is a segment of its own (`no_split`), obtained from the
+    /// pool's segment source when allocated and given back to it when freed (once the streams
+    /// that used it are done). With a [`StreamOrderedAllocator`](crate::backend::stream_ordered::StreamOrderedAllocator)
+    /// as the source this is PyTorch's `backend:cudaMallocAsync`: every buffer straight from and
+    /// back to the driver's pool.
+    pub fn no_cache(mut self, yes: bool) -> PoolOptions {
+        self.no_cache = yes;
         self
     }
 
@@ -189,10 +201,11 @@ impl<K: Kind> MemPool<K> {
     /// a pool allocator whose `granularity` or `name` panics ([`Error::PoolAllocator`]).
     pub fn on(alloc: &Allocator<K>, options: PoolOptions) -> Result<MemPool<K>> {
         let id = PoolId::fresh();
-        let (raw_gran, name, host_visible) = match &options.allocator {
-            None => (512, alloc.backend_kind().to_string(), false),
-            Some(a) => contain("RawAllocator::granularity, name and host_visible", || {
-                Ok((a.granularity(), a.name().to_string(), a.host_visible()))
+        let kind = alloc.backend_kind();
+        let (raw_gran, name, host_visible, serves) = match &options.allocator {
+            None => (512, kind.to_string(), false, true),
+            Some(a) => contain("RawAllocator::granularity, name, host_visible and serves", || {
+                Ok((a.granularity(), a.name().to_string(), a.host_visible(), a.serves(kind)))
             })
             .map_err(|e| Error::PoolAllocator {
                 pool: id.0,
@@ -200,6 +213,11 @@ impl<K: Kind> MemPool<K> {
                 message: e.to_string(),
             })?,
         };
+        if !serves {
+            return Err(Error::Config(format!(
+                "PoolOptions: the pool allocator `{name}` does not serve a `{kind}` allocator (its memory and streams are another kind's)"
+            )));
+        }
         let asked = options.granularity.unwrap_or(512);
         for (what, g) in [("PoolOptions::granularity", asked), ("RawAllocator::granularity", raw_gran)] {
             if !g.is_power_of_two() || g > MAX_GRANULARITY {
@@ -237,7 +255,8 @@ impl<K: Kind> MemPool<K> {
             id,
             raw: options.allocator,
             use_on_oom: options.use_on_oom,
-            no_split: options.no_split,
+            no_split: options.no_split || options.no_cache,
+            no_cache: options.no_cache,
             granularity: asked.max(raw_gran).max(512),
             align: raw_gran.max(512),
             name,

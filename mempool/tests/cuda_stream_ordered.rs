@@ -88,3 +88,41 @@ fn a_peer_gpu_reads_and_writes_a_stream_ordered_pool_buffer() {
     let e = source.access_from(99).unwrap_err();
     assert!(matches!(e, Error::InvalidDevice { device: 99, .. }), "{e}");
 }
+
+/// `MEMPOOL_ALLOC_CONF=backend:cudaMallocAsync` (PyTorch's backend of that name): the default
+/// pools take every buffer straight from a stream-ordered driver pool, exactly sized, and give
+/// it back at its free, with no caching. Runs itself in a child process with the setting (the
+/// process-wide allocator reads it once).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn backend_cuda_malloc_async_passes_every_buffer_to_the_driver() {
+    const NAME: &str = "backend_cuda_malloc_async_passes_every_buffer_to_the_driver";
+    if std::env::var_os("MEMPOOL_TEST_CHILD").is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--include-ignored", "--nocapture"])
+            .env("MEMPOOL_TEST_CHILD", "1")
+            .env("MEMPOOL_ALLOC_CONF", "backend:cudaMallocAsync")
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "{text}");
+        return;
+    }
+    let a = Allocator::cuda(0).unwrap();
+    assert!(a.config().malloc_async, "in effect");
+    assert!(!a.config().thread_cache, "no caching layer, no thread caches");
+    let s = a.current_stream();
+    let x = a.alloc::<u8>(1000).unwrap();
+    let data: Vec<u8> = (0..(3 * MIB)).map(|i| i as u8).collect();
+    let mut y = a.alloc::<u8>(3 * MIB).unwrap();
+    s.memcpy_htod(&data, &mut y).unwrap();
+    assert_eq!(s.clone_dtoh(&y).unwrap(), data);
+    let st = a.memory_stats();
+    assert_eq!(st.segment.all.current, 2, "a segment per buffer");
+    assert_eq!(st.reserved_bytes.all.current as usize, 1024 + 3 * MIB, "exact sizes, nothing cached");
+    drop(x);
+    assert_eq!(a.memory_stats().reserved_bytes.all.current as usize, 3 * MIB, "given back at its free");
+    drop(y);
+    assert_eq!(a.memory_stats().reserved_bytes.all.current, 0);
+    s.synchronize().unwrap();
+}

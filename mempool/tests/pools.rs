@@ -536,3 +536,27 @@ fn short_lived_pools_reuse_the_free_sets_of_released_ones() {
         common::check_invariants(&a, Some(&sim));
     }
 }
+
+/// `PoolOptions::no_cache`: every buffer is a segment of its own, from the pool's source and back
+/// to it at its free, once the streams that used it are done (PyTorch's `backend:cudaMallocAsync`
+/// with a stream-ordered source).
+#[test]
+fn a_no_cache_pool_gives_every_segment_back_at_its_free() {
+    let (sim, a) = setup();
+    let pool = MemPool::on(&a, PoolOptions::new().no_cache(true)).unwrap();
+    let x = pool.alloc::<u8>(1000).unwrap();
+    let y = pool.alloc::<u8>(3 << 20).unwrap();
+    assert_eq!(pool.memory_stats().segment.current, 2, "a segment per buffer");
+    assert_eq!(pool.memory_stats().reserved_bytes.current as usize, 1024 + (3 << 20), "exact sizes, not 2 or 20 MiB");
+    drop(x);
+    assert_eq!(pool.memory_stats().segment.current, 1, "freed: its segment went back at once");
+    // Used on another stream: back once that stream is done.
+    let other = sim.new_stream();
+    y.record_stream(&other).unwrap();
+    drop(y);
+    assert_eq!(pool.memory_stats().segment.current, 1, "waits for the other stream");
+    sim.complete_stream(other);
+    let _z = a.alloc::<u8>(512).unwrap(); // any call processes completed events
+    assert_eq!(pool.memory_stats().reserved_bytes.current, 0);
+    check_invariants(&a, Some(&sim));
+}

@@ -72,6 +72,8 @@ pub struct CudaBackend {
     /// Pinned segments are page-aligned host memory registered with `cuMemHostRegister`, their
     /// pages faulted in first on this many threads (`pinned_use_cuda_host_register`).
     register_threads: Option<usize>,
+    /// `backend:cudaMallocAsync`: the default pools' segment source.
+    malloc_async: Option<Arc<super::stream_ordered::StreamOrderedAllocator>>,
 }
 
 /// Runs `f` with this thread's stream-capture mode relaxed: a thread capturing a graph in global
@@ -185,7 +187,14 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
         let vm = Self::probe_vm(&ctx);
-        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm, pinned: false, register_threads: None })
+        Ok(CudaBackend {
+            ctx,
+            idle_events: Mutex::new(Vec::new()),
+            vm,
+            pinned: false,
+            register_threads: None,
+            malloc_async: None,
+        })
     }
 
     /// Page-locked host memory for device `ordinal`'s streams: segments from `cuMemHostAlloc`
@@ -204,7 +213,14 @@ impl CudaBackend {
             return Err(Error::InvalidDevice { device: ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver_err("cuDevicePrimaryCtxRetain", e))?;
-        Ok(CudaBackend { ctx, idle_events: Mutex::new(Vec::new()), vm: None, pinned: true, register_threads })
+        Ok(CudaBackend {
+            ctx,
+            idle_events: Mutex::new(Vec::new()),
+            vm: None,
+            pinned: true,
+            register_threads,
+            malloc_async: None,
+        })
     }
 
     /// Page-aligned host memory, its pages faulted in on `threads` threads, then registered.
@@ -258,6 +274,19 @@ impl CudaBackend {
         Ok(p as u64)
     }
 
+    /// Device `ordinal` whose default pools take every buffer from a stream-ordered driver pool
+    /// and give it back at its free (`backend:cudaMallocAsync`). Errors: as [`new`](Self::new),
+    /// and a device without stream-ordered pools.
+    pub fn malloc_async(ordinal: usize) -> Result<CudaBackend> {
+        let mut b = Self::new(ordinal)?;
+        let source = super::stream_ordered::StreamOrderedAllocator::new(
+            ordinal,
+            super::stream_ordered::StreamOrderedOptions::default(),
+        )?;
+        b.malloc_async = Some(Arc::new(source));
+        Ok(b)
+    }
+
     /// Whether segments are pinned host memory ([`pinned`](Self::pinned)).
     pub fn is_pinned(&self) -> bool {
         self.pinned
@@ -300,6 +329,10 @@ unsafe impl Backend for CudaBackend {
 
     fn host_visible(&self) -> bool {
         self.pinned
+    }
+
+    fn malloc_async_source(&self) -> Option<Arc<dyn super::RawAllocator>> {
+        self.malloc_async.clone().map(|s| s as Arc<dyn super::RawAllocator>)
     }
 
     fn device(&self) -> usize {

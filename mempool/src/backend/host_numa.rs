@@ -70,6 +70,11 @@ fn host_nodes() -> Vec<i32> {
 
 /// Asks device `device` (and the host) what host-NUMA memory they support.
 pub fn probe(device: usize) -> Result<HostNumaSupport> {
+    // The driver first: without one, cudarc would panic opening a context.
+    let count = super::cuda::device_count()?;
+    if device >= count {
+        return Err(Error::InvalidDevice { device, count });
+    }
     let ctx =
         CudaContext::new(device).map_err(|e| Error::Backend { op: "opening the device", message: e.to_string() })?;
     let attr = |a| ctx.attribute(a).unwrap_or(-1);
@@ -220,7 +225,10 @@ impl HostNumaAllocator {
         let r = unsafe { sys::cuMemAddressReserve(&mut addr, size, self.granularity, 0, 0) };
         if r != CUresult::CUDA_SUCCESS {
             release(handle);
-            return Err(BackendError::Failed(format!("cuMemAddressReserve: {r:?}")));
+            return Err(match r {
+                CUresult::CUDA_ERROR_OUT_OF_MEMORY => BackendError::OutOfMemory,
+                r => BackendError::Failed(format!("cuMemAddressReserve: {r:?}")),
+            });
         }
         let unreserve = |a| {
             // SAFETY: `a` is the range reserved above, with nothing mapped, freed once.
@@ -312,8 +320,19 @@ unsafe impl RawAllocator for HostNumaAllocator {
         self.map(size, self.cpu_access)
     }
 
-    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, _stream: StreamId) -> Result<(), BackendError> {
-        // SAFETY: the caller's contract: a segment `alloc` (so `map`) made, unused now.
+    unsafe fn free(&self, ptr: u64, size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {
+        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        // Work queued on the segment's stream may still use it, and an unmap does not wait for
+        // queued work: the stream's work comes first.
+        // SAFETY: the caller promises `stream` is the segment's stream, alive during the call.
+        unsafe { cudarc::driver::result::stream::synchronize(stream.0 as sys::CUstream) }
+            .map_err(|e| BackendError::Failed(format!("synchronizing the segment's stream: {e}")))?;
+        // SAFETY: the caller's contract: a segment `alloc` (so `map`) made, with no block handed
+        // out, and the work queued on its stream done (just above).
         unsafe { self.unmap(ptr, size) }
+    }
+
+    fn serves(&self, backend_kind: &str) -> bool {
+        backend_kind == "cuda"
     }
 }

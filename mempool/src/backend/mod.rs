@@ -141,6 +141,13 @@ pub unsafe trait Backend: Send + Sync + 'static {
         false
     }
 
+    /// The segment source of the default pools under `backend:cudaMallocAsync` (a stream-ordered
+    /// driver pool), if this backend has one. The default: none (the setting then does nothing,
+    /// as `expandable_segments` on a backend without virtual memory).
+    fn malloc_async_source(&self) -> Option<Arc<dyn RawAllocator>> {
+        None
+    }
+
     /// Virtual memory management, for expandable segments: the page size that
     /// [`map`](Backend::map) works in (addresses and sizes are multiples of it), or `None` when
     /// the device has none (the default; expandable segments are then refused at configuration).
@@ -253,8 +260,11 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
     ///
     /// # Safety
     /// `ptr` and `size` are exactly those of a segment this allocator's
-    /// [`alloc`](RawAllocator::alloc) returned for `device`, not freed yet, and nothing uses it
-    /// any more. `stream` is the stream it was allocated for, alive during the call.
+    /// [`alloc`](RawAllocator::alloc) returned for `device`, not freed yet, with no block of it
+    /// handed out and every other stream's use of it complete. `stream` is the stream it was
+    /// allocated for, alive during the call: work queued on it before the call may still use
+    /// the memory, so an implementation frees in that stream's order (`cuMemFreeAsync`) or
+    /// waits for it first (an unmap does not wait).
     unsafe fn free(&self, ptr: u64, size: usize, device: usize, stream: StreamId) -> Result<(), BackendError>;
     /// Segment sizes are multiples of this, and addresses must be aligned to it (a power of two,
     /// at least 512). NCCL/NVLS buffers want the multicast granularity, typically 2 MiB.
@@ -268,6 +278,13 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
     /// stream's work before the next owner gets it (the host is not stream-ordered).
     fn host_visible(&self) -> bool {
         false
+    }
+    /// Whether this source's memory suits an allocator of this backend kind (`cuda`, `host`,
+    /// `sim`, ...): a pool is refused when not (CUDA device memory behind a host allocator would
+    /// be zero-filled by the CPU, and its streams would be made-up numbers). The default: any.
+    fn serves(&self, backend_kind: &str) -> bool {
+        let _ = backend_kind;
+        true
     }
 }
 

@@ -1,7 +1,9 @@
 //! CUDA's stream-ordered allocator as a segment source: an explicit `cuMemPoolCreate` pool whose
-//! segments come from `cuMemAllocFromPoolAsync` on the segment's stream and go back with
-//! `cuMemFreeAsync` on that same stream (alive during the call: the caching allocator keeps it;
-//! never the default stream in its place). Any `MemPool` can take it
+//! segments come from `cuMemAllocFromPoolAsync` on a stream of the allocator's own (synchronised:
+//! a new segment is rare, and a safe `alloc` must not trust a stream number it is given; this
+//! also keeps graph captures from turning segments into graph allocations) and go back with
+//! `cuMemFreeAsync` on the segment's stream (alive during the call: the caching allocator keeps
+//! it; never the default stream in its place), after the work queued on it. Any `MemPool` can take it
 //! (`PoolOptions::shared_allocator(Arc::new(StreamOrderedAllocator::new(device, options)?))`); the
 //! caching layer in front serves repeated sizes without a driver call.
 //!
@@ -51,6 +53,9 @@ impl Default for StreamOrderedOptions {
 pub struct StreamOrderedAllocator {
     ctx: Arc<CudaContext>,
     pool: sys::CUmemoryPool,
+    /// A stream of our own that new segments are allocated on (then synchronised): `alloc` is a
+    /// safe function whose stream argument anyone can make up, so it never reaches the driver.
+    own: Arc<cudarc::driver::CudaStream>,
     name: String,
 }
 
@@ -96,7 +101,15 @@ impl StreamOrderedAllocator {
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: out-parameter and a valid property struct.
         check("cuMemPoolCreate", unsafe { sys::cuMemPoolCreate(&mut pool, &props) })?;
-        let me = StreamOrderedAllocator { ctx, pool, name: format!("cudaMallocAsync pool of device {device}") };
+        let own = match ctx.new_stream() {
+            Ok(s) => s,
+            Err(e) => {
+                // SAFETY: the pool was created just above and is destroyed once, unused.
+                let _ = unsafe { sys::cuMemPoolDestroy(pool) };
+                return Err(Error::Backend { op: "creating the pool's stream", message: e.to_string() });
+            }
+        };
+        let me = StreamOrderedAllocator { ctx, pool, own, name: format!("cudaMallocAsync pool of device {device}") };
         me.set_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, options.release_threshold)?;
         for (attr, on) in [
             (
@@ -200,30 +213,43 @@ impl Drop for StreamOrderedAllocator {
     }
 }
 
-// SAFETY: `alloc` returns `size` bytes of this device's memory from the driver pool, allocated in
-// the order of `stream` (the caching allocator hands its blocks out on that stream only, so every
-// use is ordered after the allocation) and used by nothing else until `free` gives them back with
-// `cuMemFreeAsync` on the same stream, after which the driver reuses them only in stream order.
-// A failed free leaves the memory allocated (the driver changes nothing on error).
+// SAFETY: `alloc` returns `size` bytes of this device's memory from the driver pool, allocated on
+// the allocator's own stream and synchronised, so valid for every stream (the stream argument,
+// which safe code can make up, is not used), and used by nothing else until `free` gives them
+// back with `cuMemFreeAsync` on the segment's stream (alive by `free`'s contract), after whose
+// queued work the driver reuses them. A failed free leaves the memory allocated (the driver
+// changes nothing on error). `serves` keeps it to CUDA allocators, whose streams are real.
 unsafe impl RawAllocator for StreamOrderedAllocator {
     fn name(&self) -> &str {
         &self.name
     }
 
-    fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError> {
+    fn alloc(&self, size: usize, device: usize, _stream: StreamId) -> Result<u64, BackendError> {
         if device != self.ctx.ordinal() {
             return Err(BackendError::Failed(format!("{} does not serve device {device}", self.name)));
         }
         self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        let own = self.own.cu_stream();
         let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: out-parameter; a live pool; `stream` is a live stream of this device (the
-        // caller's contract).
-        let r = unsafe { sys::cuMemAllocFromPoolAsync(&mut p, size, self.pool, stream.0 as sys::CUstream) };
+        // SAFETY: out-parameter; a live pool; `own` is this allocator's live stream, never
+        // captured (so the memory is real, not a graph's).
+        let r = unsafe { sys::cuMemAllocFromPoolAsync(&mut p, size, self.pool, own) };
         match r {
-            CUresult::CUDA_SUCCESS => Ok(p),
-            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(BackendError::OutOfMemory),
-            r => Err(BackendError::Failed(format!("cuMemAllocFromPoolAsync: {r:?}"))),
+            CUresult::CUDA_SUCCESS => {}
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => return Err(BackendError::OutOfMemory),
+            r => return Err(BackendError::Failed(format!("cuMemAllocFromPoolAsync: {r:?}"))),
         }
+        // Valid for every stream once our stream reached the allocation.
+        if let Err(e) = self.own.synchronize() {
+            // SAFETY: `p` was just allocated on `own` and is given back once, unused.
+            let _ = unsafe { sys::cuMemFreeAsync(p, own) };
+            return Err(BackendError::Failed(format!("synchronizing the pool's stream: {e}")));
+        }
+        Ok(p)
+    }
+
+    fn serves(&self, backend_kind: &str) -> bool {
+        backend_kind == "cuda"
     }
 
     unsafe fn free(&self, ptr: u64, _size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {

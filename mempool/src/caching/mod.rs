@@ -220,11 +220,12 @@ fn drop_user_code<T>(x: T) {
 impl DeviceAllocator {
     pub(crate) fn new(backend: Arc<dyn Backend>, config: Config, id: AllocatorId) -> DeviceAllocator {
         let limit = limit_for(&*backend, config.memory_fraction);
-        let default_pool = PoolSpec {
+        let mut default_pool = PoolSpec {
             id: PoolId::DEFAULT,
             raw: None,
             use_on_oom: false,
             no_split: false,
+            no_cache: false,
             granularity: 512,
             align: 512,
             name: backend.kind().to_string(),
@@ -244,6 +245,16 @@ impl DeviceAllocator {
         // blocks the device never used (`Buffer::mark_device_use`) reach the thread caches, which
         // hand blocks out again at once.
         let host_visible = backend.host_visible();
+        // `backend:cudaMallocAsync`: the default pools pass every buffer to the driver's
+        // stream-ordered pool, with no caching (no thread caches either).
+        let malloc_async = if config.malloc_async { backend.malloc_async_source() } else { None };
+        config.malloc_async = malloc_async.is_some();
+        if let Some(source) = malloc_async {
+            default_pool.raw = Some(source);
+            default_pool.no_split = true;
+            default_pool.no_cache = true;
+            config.thread_cache = false;
+        }
         let mut state = State::new(config.clone(), limit, default_pool, id, device, caches.board.clone());
         state.host_visible = host_visible;
         state.vm_page = backend.vm_granularity().filter(|p| p.is_power_of_two());
@@ -1061,12 +1072,13 @@ impl DeviceAllocator {
         st.error.take().or_else(|| st.vetoed.take()).map_or(Ok(()), Err)
     }
 
-    /// Gives back the wholly free segments of one pool.
+    /// Waits for every pending free (as [`empty_cache`](Self::empty_cache) does, PyTorch's
+    /// `synchronize_and_free_events`), then gives back the wholly free segments of one pool.
     pub(crate) fn empty_pool_cache(&self, pool: PoolRef) -> Result<()> {
         self.refuse_if_capturing("MemPool::empty_cache")?;
         let mut st = self.lock();
         if !st.pending.is_empty() || !st.foreign.is_empty() {
-            st.process_events(&*self.backend);
+            st.synchronize_events(&*self.backend);
         }
         if st.resolve(pool).is_some() {
             st.release_cached(|p| p.spec.id == pool.id);

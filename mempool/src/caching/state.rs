@@ -96,6 +96,8 @@ pub(crate) struct PoolSpec {
     pub(crate) raw: Option<Arc<dyn RawAllocator>>,
     pub(crate) use_on_oom: bool,
     pub(crate) no_split: bool,
+    /// No caching: a wholly free segment goes back to its source at once.
+    pub(crate) no_cache: bool,
     /// Segment sizes are multiples of this.
     pub(crate) granularity: usize,
     /// Segment addresses must be multiples of this: what the segment source promises (its own
@@ -748,9 +750,14 @@ impl State {
         if !b.is_split() {
             let seg = b.seg;
             self.segments[seg.0 as usize].freed_at = self.tick;
-            if pool != Slot::DEFAULT && self.pools[pool.get()].released {
+            let p = &self.pools[pool.get()];
+            if p.released {
+                if pool != Slot::DEFAULT {
+                    self.release_whole(seg);
+                    self.retire_pool_if_empty(pool);
+                }
+            } else if p.spec.no_cache {
                 self.release_whole(seg);
-                self.retire_pool_if_empty(pool);
             }
         }
     }
