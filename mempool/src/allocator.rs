@@ -83,11 +83,39 @@ type CudaSlots = Vec<(OnceLock<Allocator<Cuda>>, Mutex<()>)>;
 
 fn cuda_slots() -> Result<&'static CudaSlots> {
     static SLOTS: OnceLock<CudaSlots> = OnceLock::new();
-    if let Some(s) = SLOTS.get() {
+    device_slots(&SLOTS)
+}
+
+/// One slot per CUDA device in `slots`, made on first use.
+fn device_slots(slots: &'static OnceLock<CudaSlots>) -> Result<&'static CudaSlots> {
+    if let Some(s) = slots.get() {
         return Ok(s);
     }
     let n = crate::backend::cuda::device_count()?;
-    Ok(SLOTS.get_or_init(|| (0..n).map(|_| (OnceLock::new(), Mutex::new(()))).collect()))
+    Ok(slots.get_or_init(|| (0..n).map(|_| (OnceLock::new(), Mutex::new(()))).collect()))
+}
+
+/// The process-wide allocator in `slots` for device `ordinal`: the one made already, or the one
+/// `make` makes (once: callers racing for it wait on the slot's lock), leaked for the process.
+fn process_wide(
+    slots: &'static CudaSlots,
+    ordinal: usize,
+    make: impl FnOnce() -> Result<(Arc<CudaBackend>, Config)>,
+) -> Result<Allocator<Cuda>> {
+    let (slot, creating) = slots.get(ordinal).ok_or(Error::InvalidDevice { device: ordinal, count: slots.len() })?;
+    if let Some(a) = slot.get() {
+        return Ok(a.clone());
+    }
+    let _creating = creating.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(a) = slot.get() {
+        return Ok(a.clone());
+    }
+    let (backend, config) = make()?;
+    let ext = CudaExt::new(backend.clone());
+    // Lives for the rest of the process, like the device itself.
+    env_settings();
+    let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
+    Ok(slot.get_or_init(|| a).clone())
 }
 
 impl Allocator<Cuda> {
@@ -98,33 +126,21 @@ impl Allocator<Cuda> {
     /// device count) for an index that does not exist, [`Error::Config`] for a bad
     /// `MEMPOOL_ALLOC_CONF`.
     pub fn cuda(ordinal: usize) -> Result<Allocator<Cuda>> {
-        let slots = cuda_slots()?;
-        let (slot, creating) =
-            slots.get(ordinal).ok_or(Error::InvalidDevice { device: ordinal, count: slots.len() })?;
-        if let Some(a) = slot.get() {
-            return Ok(a.clone());
-        }
-        let _creating = creating.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = slot.get() {
-            return Ok(a.clone());
-        }
-        let config = Config::from_env()?;
-        let backend = Arc::new(if config.malloc_async {
-            CudaBackend::malloc_async(ordinal)?
-        } else {
-            CudaBackend::new(ordinal)?
-        });
-        if config.expandable_segments && backend.vm_granularity().is_none() {
-            return Err(Error::Config(format!(
-                "{}: expandable_segments:True, but CUDA device {ordinal} has no virtual memory management",
-                crate::config::ENV_VAR
-            )));
-        }
-        let ext = CudaExt::new(backend.clone());
-        // Lives for the rest of the process, like the device itself.
-        env_settings();
-        let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
-        Ok(slot.get_or_init(|| a).clone())
+        process_wide(cuda_slots()?, ordinal, || {
+            let config = Config::from_env()?;
+            let backend = Arc::new(if config.malloc_async {
+                CudaBackend::malloc_async(ordinal)?
+            } else {
+                CudaBackend::new(ordinal)?
+            });
+            if config.expandable_segments && backend.vm_granularity().is_none() {
+                return Err(Error::Config(format!(
+                    "{}: expandable_segments:True, but CUDA device {ordinal} has no virtual memory management",
+                    crate::config::ENV_VAR
+                )));
+            }
+            Ok((backend, config))
+        })
     }
 
     /// The process-wide pinned host memory allocator of CUDA device `ordinal` (PyTorch's
@@ -141,27 +157,7 @@ impl Allocator<Cuda> {
     /// Errors: as [`cuda`](Self::cuda).
     pub fn pinned(ordinal: usize) -> Result<Allocator<Cuda>> {
         static SLOTS: OnceLock<CudaSlots> = OnceLock::new();
-        let slots = match SLOTS.get() {
-            Some(s) => s,
-            None => {
-                let n = crate::backend::cuda::device_count()?;
-                SLOTS.get_or_init(|| (0..n).map(|_| (OnceLock::new(), Mutex::new(()))).collect())
-            }
-        };
-        let (slot, creating) =
-            slots.get(ordinal).ok_or(Error::InvalidDevice { device: ordinal, count: slots.len() })?;
-        if let Some(a) = slot.get() {
-            return Ok(a.clone());
-        }
-        let _creating = creating.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = slot.get() {
-            return Ok(a.clone());
-        }
-        let (backend, config) = pinned_parts(ordinal, Config::from_env()?)?;
-        let ext = CudaExt::new(backend.clone());
-        env_settings();
-        let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
-        Ok(slot.get_or_init(|| a).clone())
+        process_wide(device_slots(&SLOTS)?, ordinal, || pinned_parts(ordinal, Config::from_env()?))
     }
 
     /// A new pinned host memory allocator of device `ordinal` with these settings (not the
