@@ -54,35 +54,19 @@ thread_local! {
 thread_local! {
     /// Allocators whose memory this thread is giving back now (a segment free, an unmap or a
     /// reservation free under way, user code of a pool allocator or map guard included).
-    static RELEASING: std::cell::RefCell<Vec<AllocatorId>> = const { std::cell::RefCell::new(Vec::new()) };
+    static RELEASING: RefCell<Vec<AllocatorId>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Whether this thread is giving back `id`'s memory now (see [`RELEASING`]).
-pub(super) fn releasing_here(id: AllocatorId) -> bool {
-    RELEASING.try_with(|r| r.borrow().contains(&id)).unwrap_or(false)
+type IdSet = std::thread::LocalKey<RefCell<Vec<AllocatorId>>>;
+
+/// Whether this thread's `set` holds `id` (false on a thread whose locals are gone).
+fn marked(set: &'static IdSet, id: AllocatorId) -> bool {
+    set.try_with(|r| r.borrow().contains(&id)).unwrap_or(false)
 }
 
-/// Runs `f` as this thread giving back `id`'s memory.
-fn as_releasing<R>(id: AllocatorId, f: impl FnOnce() -> R) -> R {
-    let _ = RELEASING.try_with(|r| r.borrow_mut().push(id));
-    let _off = scopeguard::guard((), |()| {
-        let _ = RELEASING.try_with(|r| {
-            let mut r = r.borrow_mut();
-            if let Some(i) = r.iter().rposition(|x| *x == id) {
-                r.remove(i);
-            }
-        });
-    });
-    f()
-}
-
-/// Whether this thread is running `id`'s outbox (false on a thread whose locals are gone).
-fn running_here(id: AllocatorId) -> bool {
-    RUNNING.try_with(|r| r.borrow().contains(&id)).unwrap_or(false)
-}
-
-fn set_running(id: AllocatorId, on: bool) {
-    let _ = RUNNING.try_with(|r| {
+/// Adds `id` to this thread's `set`, or takes one occurrence of it out.
+fn mark(set: &'static IdSet, id: AllocatorId, on: bool) {
+    let _ = set.try_with(|r| {
         let mut r = r.borrow_mut();
         if on {
             r.push(id);
@@ -90,6 +74,27 @@ fn set_running(id: AllocatorId, on: bool) {
             r.remove(i);
         }
     });
+}
+
+/// Whether this thread is giving back `id`'s memory now (see [`RELEASING`]).
+pub(super) fn releasing_here(id: AllocatorId) -> bool {
+    marked(&RELEASING, id)
+}
+
+/// Runs `f` as this thread giving back `id`'s memory.
+fn as_releasing<R>(id: AllocatorId, f: impl FnOnce() -> R) -> R {
+    mark(&RELEASING, id, true);
+    let _off = scopeguard::guard((), |()| mark(&RELEASING, id, false));
+    f()
+}
+
+/// Whether this thread is running `id`'s outbox.
+fn running_here(id: AllocatorId) -> bool {
+    marked(&RUNNING, id)
+}
+
+fn set_running(id: AllocatorId, on: bool) {
+    mark(&RUNNING, id, on);
 }
 
 /// Items a runner takes from the outbox at a time.
