@@ -322,3 +322,36 @@ fn threads_on_their_own_streams_reuse_cached_blocks_safely() {
     let after = a.memory_stats().reserved_bytes.all.current;
     assert!(after <= before.reserved_bytes.all.current, "cached blocks kept segments: {after} bytes reserved");
 }
+
+/// `Allocator::access_from`: a kernel on the second GPU writes a buffer of the first GPU's
+/// default pools once peer access is enabled. Skips with one GPU.
+#[test]
+#[ignore = "needs two CUDA GPUs with peer access (skips with one)"]
+fn a_peer_gpu_writes_default_pool_memory_after_access_from() {
+    if mempool::device_count().unwrap_or(0) < 2 {
+        eprintln!("one GPU: skipped");
+        return;
+    }
+    let a = gpu();
+    a.access_from(1).unwrap();
+    a.access_from(1).unwrap(); // twice: not an error
+    assert!(matches!(a.access_from(99), Err(Error::InvalidDevice { device: 99, .. })));
+    let stream = a.current_stream();
+    let n = 1u32 << 20;
+    let host: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let mut x = a.alloc::<f32>(n as usize).unwrap();
+    stream.memcpy_htod(&host, &mut x).unwrap();
+    stream.synchronize().unwrap();
+    let ctx1 = CudaContext::new(1).unwrap();
+    let add_one = kernel(&ctx1, "add_one");
+    let s1 = ctx1.default_stream();
+    let ptr = x.device_ptr_raw();
+    let mut launch = s1.launch_builder(&add_one);
+    launch.arg(&ptr).arg(&n);
+    // SAFETY: add_one takes (float*, u32); `ptr` holds n floats of GPU 0's memory, which GPU 1
+    // may now reach; nothing else uses `x` until the stream is synchronised.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(n)) }.unwrap();
+    s1.synchronize().unwrap();
+    let back = stream.clone_dtoh(&x).unwrap();
+    assert!(back.iter().zip(&host).all(|(b, h)| *b == h + 1.0), "the peer's writes landed");
+}
