@@ -64,7 +64,7 @@ impl std::error::Error for BackendError {}
 ///
 /// An implementer promises that [`alloc_segment`](Backend::alloc_segment) returns the address
 /// of `size` bytes of this device's memory, aligned to 512 bytes, that nothing else uses until
-/// the same range is given to [`free_segment`](Backend::free_segment), and that [`zero`]
+/// the same range is given to [`free_segment`](Backend::free_segment), and that [`zero`](Backend::zero)
 /// (Backend::zero) writes only inside the range it is given. The allocator hands these bytes
 /// out to safe code (zero-filled buffers, cudarc copies), so a made-up or shared range would be
 /// undefined behaviour that the safe API could reach. The same holds for virtual memory: a
