@@ -197,37 +197,11 @@ impl Allocator<Cuda> {
     /// twice is not an error). Expandable segments grant every peer that can reach the device
     /// access when they map, so they need nothing more; a stream-ordered pool source has its own
     /// [`access_from`](crate::backend::stream_ordered::StreamOrderedAllocator::access_from).
-    /// Errors: no such device, a device that cannot reach this one, pinned host memory (every
-    /// device reaches it already).
+    /// The peer's primary context stays retained as long as this allocator lives, so the access
+    /// lasts. Pinned host memory needs nothing (every device reaches it already). Errors: no
+    /// such device, a device that cannot reach this one.
     pub fn access_from(&self, peer: usize) -> Result<()> {
-        let count = crate::backend::cuda::device_count()?;
-        if peer >= count {
-            return Err(Error::InvalidDevice { device: peer, count });
-        }
-        let me = self.context();
-        if peer == me.ordinal() || self.is_pinned() {
-            return Ok(());
-        }
-        let other = cudarc::driver::CudaContext::new(peer)
-            .map_err(|e| Error::Backend { op: "opening the peer device", message: e.to_string() })?;
-        let mut can = 0;
-        // SAFETY: out-parameter and two valid device handles.
-        let r = unsafe { cudarc::driver::sys::cuDeviceCanAccessPeer(&mut can, other.cu_device(), me.cu_device()) };
-        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS || can == 0 {
-            return Err(Error::Backend {
-                op: "cuDeviceCanAccessPeer",
-                message: format!("device {peer} cannot reach device {}'s memory ({r:?})", me.ordinal()),
-            });
-        }
-        other.bind_to_thread().map_err(|e| Error::Backend { op: "binding the peer device", message: e.to_string() })?;
-        // SAFETY: `me.cu_ctx()` is a live context (the allocator holds it); the call affects only
-        // the current (peer's) context's view of it.
-        let r = unsafe { cudarc::driver::sys::cuCtxEnablePeerAccess(me.cu_ctx(), 0) };
-        match r {
-            cudarc::driver::sys::CUresult::CUDA_SUCCESS
-            | cudarc::driver::sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(()),
-            r => Err(Error::Backend { op: "cuCtxEnablePeerAccess", message: format!("{r:?}") }),
-        }
+        self.shared.ext.backend().enable_peer_access(peer)
     }
 }
 

@@ -112,6 +112,10 @@ impl CudaExt {
     pub(crate) fn is_pinned(&self) -> bool {
         self.backend.is_pinned()
     }
+
+    pub(crate) fn backend(&self) -> &CudaBackend {
+        &self.backend
+    }
 }
 
 /// The key of a CUDA stream object. Keyed by the `Arc`'s address, with a `Weak` that pins that

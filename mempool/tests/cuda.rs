@@ -342,6 +342,8 @@ fn a_peer_gpu_writes_default_pool_memory_after_access_from() {
     let mut x = a.alloc::<f32>(n as usize).unwrap();
     stream.memcpy_htod(&host, &mut x).unwrap();
     stream.synchronize().unwrap();
+    // No one else holds GPU 1's primary context here: had `access_from` let go of it, the
+    // driver would have destroyed it (and the access), and this would be a fresh one.
     let ctx1 = CudaContext::new(1).unwrap();
     let add_one = kernel(&ctx1, "add_one");
     let s1 = ctx1.default_stream();

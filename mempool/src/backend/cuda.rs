@@ -74,6 +74,10 @@ pub struct CudaBackend {
     register_threads: Option<usize>,
     /// `backend:cudaMallocAsync`: the default pools' segment source.
     malloc_async: Option<Arc<super::stream_ordered::StreamOrderedAllocator>>,
+    /// Peer devices given access to this device's memory ([`enable_peer_access`]
+    /// (Self::enable_peer_access)), their primary contexts retained: peer access belongs to the
+    /// context, and a primary context released by its last user is destroyed with it.
+    peers: Mutex<Vec<Arc<CudaContext>>>,
 }
 
 /// Runs `f` with this thread's stream-capture mode relaxed: a thread capturing a graph in global
@@ -194,6 +198,7 @@ impl CudaBackend {
             pinned: false,
             register_threads: None,
             malloc_async: None,
+            peers: Mutex::new(Vec::new()),
         })
     }
 
@@ -220,7 +225,47 @@ impl CudaBackend {
             pinned: true,
             register_threads,
             malloc_async: None,
+            peers: Mutex::new(Vec::new()),
         })
+    }
+
+    /// Lets device `peer`'s kernels and copies reach this device's `cuMemAlloc` segments
+    /// (`cuCtxEnablePeerAccess` from the peer's primary context, which this backend then keeps
+    /// retained: were it released by its last user, the driver would destroy it and the access
+    /// with it). Enabling twice is not an error. Leaves the peer's context current.
+    pub fn enable_peer_access(&self, peer: usize) -> Result<()> {
+        let count = device_count()?;
+        if peer >= count {
+            return Err(Error::InvalidDevice { device: peer, count });
+        }
+        if peer == self.ctx.ordinal() || self.pinned {
+            return Ok(());
+        }
+        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
+        if peers.iter().any(|c| c.ordinal() == peer) {
+            return Ok(());
+        }
+        let other = CudaContext::new(peer).map_err(|e| driver_err("opening the peer device", e))?;
+        let mut can = 0;
+        // SAFETY: out-parameter and two valid device handles.
+        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, other.cu_device(), self.ctx.cu_device()) };
+        if r != CUresult::CUDA_SUCCESS || can == 0 {
+            return Err(Error::Backend {
+                op: "cuDeviceCanAccessPeer",
+                message: format!("device {peer} cannot reach device {}'s memory ({r:?})", self.ctx.ordinal()),
+            });
+        }
+        other.bind_to_thread().map_err(|e| driver_err("binding the peer device", e))?;
+        // SAFETY: `self.ctx` is a live context (this backend retains it); the call changes only
+        // the current (peer's) context's view of it.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(self.ctx.cu_ctx(), 0) };
+        match r {
+            CUresult::CUDA_SUCCESS | CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+                peers.push(other);
+                Ok(())
+            }
+            r => Err(Error::Backend { op: "cuCtxEnablePeerAccess", message: format!("{r:?}") }),
+        }
     }
 
     /// Page-aligned host memory, its pages faulted in on `threads` threads, then registered.
