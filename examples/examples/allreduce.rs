@@ -69,7 +69,7 @@ impl Sync {
             Sync::Nccl => {
                 let mut x = alloc.alloc_zeros::<f32>(1)?;
                 comm.all_reduce_in_place(&mut x, ReduceOp::Sum, stream)?;
-                stream.synchronize().map_err(|e| mempool_nccl::Error::Cuda(e.to_string()))?;
+                stream.synchronize().map_err(mempool_nccl::Error::Cuda)?;
             }
         }
         Ok(())
@@ -79,17 +79,13 @@ impl Sync {
 #[with_pool(nccl_pool)]
 fn pool_buffer(nccl_pool: &MemPool, stream: &Arc<CudaStream>, n: usize, value: f32) -> mempool::Result<Buffer<f32>> {
     let mut b = nccl_pool.allocator().alloc::<f32>(n)?;
-    stream
-        .memcpy_htod(&vec![value; n], &mut b)
-        .map_err(|e| mempool::Error::Backend { op: "fill", message: e.to_string() })?;
+    stream.memcpy_htod(&vec![value; n], &mut b).map_err(|e| mempool::Error::caused_by("fill", e))?;
     Ok(b)
 }
 
 fn default_buffer(alloc: &Allocator, stream: &Arc<CudaStream>, n: usize, value: f32) -> mempool::Result<Buffer<f32>> {
     let mut b = alloc.alloc::<f32>(n)?;
-    stream
-        .memcpy_htod(&vec![value; n], &mut b)
-        .map_err(|e| mempool::Error::Backend { op: "fill", message: e.to_string() })?;
+    stream.memcpy_htod(&vec![value; n], &mut b).map_err(|e| mempool::Error::caused_by("fill", e))?;
     Ok(b)
 }
 

@@ -52,10 +52,10 @@ fn tour<K: Kind>(alloc: &Allocator<K>) -> mempool::Result<()> {
     let snapshot = alloc.snapshot();
     snapshot.write_pickle("tour-snapshot.pickle")?;
     let view = mempool_viz::SnapshotView::from_pickle(&snapshot.to_pickle())
-        .map_err(|e| mempool::Error::Backend { op: "reading the snapshot", message: e.to_string() })?;
+        .map_err(|e| mempool::Error::caused_by("reading the snapshot", e))?;
     print!("{}", mempool_viz::format_summary(&view.summary()));
     mempool_viz::render_timeline(&view, "tour-timeline.svg")
-        .map_err(|e| mempool::Error::Backend { op: "drawing the timeline", message: e.to_string() })?;
+        .map_err(|e| mempool::Error::caused_by("drawing the timeline", e))?;
     let here = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_default();
     println!(
         "   wrote {here}/tour-snapshot.pickle ({} segments, {} events)",

@@ -1,4 +1,4 @@
-//! Pool scopes for [mempool](https://docs.rs/mempool), balanced by construction and checked by
+//! Pool scopes for [mempool](https://docs.rs/cuda-mempool), balanced by construction and checked by
 //! the compiler. Use them through `mempool` (`mempool::with_pool`, `mempool::pool_scope`, ...),
 //! which re-exports this crate.
 //!

@@ -32,13 +32,13 @@ pub fn nccl_version() -> Result<(u32, u32, u32)> {
 /// The driver's recommended allocation granularity for device memory of `device` (2 MiB on
 /// Hopper): segments are sized and aligned to it, as NCCL's registration and NVLS want.
 pub fn recommended_granularity(ctx: &Arc<CudaContext>) -> Result<usize> {
-    ctx.bind_to_thread().map_err(|e| Error::Cuda(e.to_string()))?;
+    ctx.bind_to_thread().map_err(Error::Cuda)?;
     // SAFETY: every field of the C struct is an integer, an enum with a zero variant (`INVALID`,
     // `NONE`) or a pointer, so all-zero is a valid value; the fields that matter are set below.
     let mut prop: cu::CUmemAllocationProp = unsafe { std::mem::MaybeUninit::zeroed().assume_init() };
     prop.type_ = cu::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.location.type_ = cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = ctx.ordinal() as i32;
+    prop.location =
+        mempool::backend::cuda::mem_location(cu::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, ctx.ordinal() as i32);
     let mut gran = 0usize;
     // SAFETY: `prop` describes device memory of an existing device; `gran` is a valid out pointer.
     unsafe {
@@ -49,7 +49,7 @@ pub fn recommended_granularity(ctx: &Arc<CudaContext>) -> Result<usize> {
         )
     }
     .result()
-    .map_err(|e| Error::Cuda(e.to_string()))?;
+    .map_err(Error::Cuda)?;
     Ok(gran.max(512))
 }
 
@@ -93,7 +93,7 @@ unsafe impl RawAllocator for NcclMemAllocator {
                 self.ctx.ordinal()
             )));
         }
-        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: the device's context is current; `p` is a valid out pointer; the memory is
         // owned by the caller until `free`.
@@ -119,7 +119,7 @@ unsafe impl RawAllocator for NcclMemAllocator {
         if ledger::is_held(ptr, size) {
             return Err(held(ptr, size));
         }
-        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
         // Work queued on the segment's stream may still use it: the unmap inside ncclMemFree
         // must come after it.
         // SAFETY: the caller promises `stream` is the segment's stream, alive during this call.

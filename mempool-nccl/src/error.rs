@@ -12,8 +12,8 @@ pub enum Error {
     Nccl {
         /// The NCCL call.
         op: &'static str,
-        /// NCCL's result code and its meaning.
-        message: String,
+        /// NCCL's result code (also the [`source`](std::error::Error::source)).
+        code: NcclCode,
     },
     /// A rank outside `0..world_size`.
     InvalidRank {
@@ -57,9 +57,32 @@ pub enum Error {
     Closed,
     /// From mempool.
     Mempool(mempool::Error),
-    /// From the CUDA driver.
-    Cuda(String),
+    /// From the CUDA driver (also the [`source`](std::error::Error::source)).
+    Cuda(cudarc::driver::DriverError),
 }
+
+/// An NCCL result code other than success, as an error of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NcclCode(pub cudarc::nccl::sys::ncclResult_t);
+
+impl fmt::Display for NcclCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        use cudarc::nccl::sys::ncclResult_t as R;
+        let what = match self.0 {
+            R::ncclUnhandledCudaError => "a call to CUDA failed",
+            R::ncclSystemError => "a call to the system failed",
+            R::ncclInternalError => "an internal check failed (a bug in NCCL or memory corruption)",
+            R::ncclInvalidArgument => "an invalid value was passed",
+            R::ncclInvalidUsage => "NCCL was used the wrong way",
+            R::ncclRemoteError => "a remote peer failed or went away",
+            R::ncclInProgress => "the operation is still in progress",
+            _ => "an error",
+        };
+        write!(f, "{:?} ({what})", self.0)
+    }
+}
+
+impl std::error::Error for NcclCode {}
 
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -69,7 +92,7 @@ impl fmt::Display for Error {
                 "NCCL is not available: libnccl.so.2 could not be loaded; install NCCL (e.g. the nvidia-nccl-cu12/cu13 \
                  wheel or the libnccl2 package) and make sure the dynamic loader finds it (LD_LIBRARY_PATH)"
             ),
-            Error::Nccl { op, message } => write!(f, "{op} failed: {message}"),
+            Error::Nccl { op, code } => write!(f, "{op} failed: {code}"),
             Error::InvalidRank { rank, world_size } => {
                 write!(f, "rank {rank} is out of range for a world of {world_size} rank(s) (valid: 0..{world_size})")
             }
@@ -88,12 +111,22 @@ impl fmt::Display for Error {
             Error::Window(m) => write!(f, "window registration: {m}"),
             Error::Closed => write!(f, "the communicator was destroyed or aborted"),
             Error::Mempool(e) => e.fmt(f),
-            Error::Cuda(m) => write!(f, "CUDA: {m}"),
+            Error::Cuda(e) => write!(f, "CUDA: {e}"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Nccl { code, .. } => Some(code),
+            Error::Cuda(e) => Some(e),
+            // Displayed as itself, so its source is this error's source.
+            Error::Mempool(e) => std::error::Error::source(e),
+            _ => None,
+        }
+    }
+}
 
 impl From<mempool::Error> for Error {
     fn from(e: mempool::Error) -> Self {
@@ -105,5 +138,30 @@ impl From<mempool::Error> for Error {
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 pub(crate) fn nccl(op: &'static str, e: cudarc::nccl::result::NcclError) -> Error {
-    Error::Nccl { op, message: format!("{:?}", e.0) }
+    Error::Nccl { op, code: NcclCode(e.0) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::nccl::{result::NcclError, sys::ncclResult_t};
+
+    fn is_shareable<T: std::error::Error + Send + Sync + 'static>() {}
+
+    #[test]
+    fn errors_are_send_sync_static_and_keep_their_causes() {
+        is_shareable::<Error>();
+        is_shareable::<NcclCode>();
+        let e = nccl("ncclCommRegister", NcclError(ncclResult_t::ncclInvalidArgument));
+        assert_eq!(e.to_string(), "ncclCommRegister failed: ncclInvalidArgument (an invalid value was passed)");
+        let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<NcclCode>());
+        assert_eq!(src, Some(&NcclCode(ncclResult_t::ncclInvalidArgument)));
+        let d = cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_CONTEXT);
+        // (No formatting of `d` here: printing a driver error asks the driver for its words.)
+        let e = Error::Cuda(d);
+        assert!(std::error::Error::source(&e).and_then(|s| s.downcast_ref()) == Some(&d));
+        // A mempool error is shown as itself: its source is the inner error's source.
+        let e = Error::from(mempool::Error::with_cause("segment allocation", "words", d));
+        assert!(std::error::Error::source(&e).and_then(|s| s.downcast_ref()) == Some(&d));
+    }
 }

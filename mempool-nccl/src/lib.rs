@@ -47,7 +47,7 @@ pub mod window;
 pub use alloc::{nccl_pool, nccl_pool_with, nccl_registers_spans, nccl_version, NcclMapGuard, NcclMemAllocator};
 pub use comm::{Communicator, Id};
 pub use env::LaunchEnv;
-pub use error::{Error, Result};
+pub use error::{Error, NcclCode, Result};
 pub use register::{Registrar, Registration};
 pub use types::{Bf16, NcclType, ReduceOp};
 pub use window::Window;

@@ -157,10 +157,10 @@ impl Communicator {
         let alloc = Allocator::cuda(self.device())?;
         let mine = [size as u64, u64::from(local_ok)];
         let mut send = alloc.alloc::<u64>(2)?;
-        stream.memcpy_htod(&mine, &mut send).map_err(|e| Error::Cuda(e.to_string()))?;
+        stream.memcpy_htod(&mine, &mut send).map_err(Error::Cuda)?;
         let mut all = alloc.alloc::<u64>(2 * self.world_size())?;
         self.all_gather(&send, &mut all, stream)?;
-        let all = stream.clone_dtoh(&all).map_err(|e| Error::Cuda(e.to_string()))?;
+        let all = stream.clone_dtoh(&all).map_err(Error::Cuda)?;
         if let Some(r) = (0..self.world_size()).find(|&r| all[2 * r + 1] == 0) {
             return Err(Error::Window(format!("rank {r}'s buffer does not meet the window rules")));
         }
@@ -264,7 +264,7 @@ impl<'a, T> Window<'a, T> {
 
     /// Whether the work queued on the buffer so far is done (`false`: gave up waiting).
     fn wait_for_uses(&self, patience: Option<Duration>) -> Result<bool> {
-        let cuda = |e: cudarc::driver::DriverError| Error::Cuda(e.to_string());
+        let cuda = |e: cudarc::driver::DriverError| Error::Cuda(e);
         let own = DeviceSlice::stream(&*self.buf).clone();
         // A use on the buffer's own stream orders that stream after the buffer's last use on
         // another stream (a collective on a stream of its own, say)...

@@ -200,5 +200,5 @@ pub fn write_page(
     path: impl AsRef<Path>,
 ) -> Result<(), Error> {
     let path = path.as_ref();
-    std::fs::write(path, page(view, from_ms, to_ms)).map_err(|e| Error::Io(format!("{}: {e}", path.display())))
+    std::fs::write(path, page(view, from_ms, to_ms)).map_err(|error| Error::Io { path: path.to_path_buf(), error })
 }

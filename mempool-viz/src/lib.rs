@@ -22,9 +22,15 @@ use plotters::prelude::*;
 
 /// What can go wrong reading or drawing a snapshot.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum Error {
     /// The file could not be read or written.
-    Io(String),
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What the system said (also the [`source`](std::error::Error::source)).
+        error: std::io::Error,
+    },
     /// Not a pickle, or not a snapshot.
     Format(String),
     /// The chart could not be drawn.
@@ -34,14 +40,21 @@ pub enum Error {
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Error::Io(m) => write!(f, "{m}"),
+            Error::Io { path, error } => write!(f, "{}: {error}", path.display()),
             Error::Format(m) => write!(f, "not a memory snapshot: {m}"),
             Error::Draw(m) => write!(f, "drawing the timeline: {m}"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Io { error, .. } => Some(error),
+            _ => None,
+        }
+    }
+}
 
 pub mod html;
 mod pickle;
@@ -319,7 +332,7 @@ impl SnapshotView {
     /// Reads a pickled snapshot from a file.
     pub fn read(path: impl AsRef<Path>) -> Result<SnapshotView, Error> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| Error::Io(format!("{}: {e}", path.display())))?;
+        let bytes = std::fs::read(path).map_err(|error| Error::Io { path: path.to_path_buf(), error })?;
         SnapshotView::from_pickle(&bytes)
     }
 

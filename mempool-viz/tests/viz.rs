@@ -147,3 +147,16 @@ sys.stdout.buffer.write(pickle.dumps(d, protocol=2))
     let tl = view.timeline();
     assert_eq!(tl.points.last().map(|p| (p.1.iter().sum::<u64>(), p.2)), Some((1000, 2097152)));
 }
+
+/// A snapshot that is not there: the path in the message, the I/O error as the source, and an
+/// error that crosses threads.
+#[test]
+fn a_missing_file_names_the_path_and_keeps_the_io_error() {
+    fn is_shareable<T: std::error::Error + Send + Sync + 'static>() {}
+    is_shareable::<mempool_viz::Error>();
+    let path = std::env::temp_dir().join("mempool-viz-no-such-file.pickle");
+    let e = mempool_viz::SnapshotView::read(&path).unwrap_err();
+    assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+    let io = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<std::io::Error>()).expect("an io::Error");
+    assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
+}

@@ -191,11 +191,10 @@ impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
         let visible = self.shared.ext.is_pinned()
             || self.block.as_ref().is_some_and(|a| self.shared.core.block_host_visible(a.block));
         if !visible {
-            return Err(crate::Error::Backend {
+            return Err(crate::Error::backend(
                 op,
-                message: "device memory has no host view: allocate from Allocator::pinned, or from a pool whose segment source is host-visible (HostNumaAllocator), for host-visible buffers"
-                    .into(),
-            });
+                "device memory has no host view: allocate from Allocator::pinned, or from a pool whose segment source is host-visible (HostNumaAllocator), for host-visible buffers",
+            ));
         }
         let Some(a) = &self.block else {
             // No bytes (an empty buffer, or zero-sized elements): nothing to wait for.
@@ -212,7 +211,7 @@ impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
         }
         DeviceSlice::stream(self)
             .synchronize()
-            .map_err(|e| crate::Error::Backend { op, message: format!("synchronising the buffer's stream: {e}") })?;
+            .map_err(|e| crate::Error::with_cause(op, format!("synchronising the buffer's stream: {e}"), e))?;
         self.shared.core.wait_for_uses(a.block)?;
         Ok(self.ptr as *mut T)
     }

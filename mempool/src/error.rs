@@ -1,6 +1,7 @@
 //! The crate's one error type.
 
 use std::fmt;
+use std::sync::Arc;
 
 use crate::format::bytes;
 
@@ -83,7 +84,82 @@ pub enum Error {
         op: &'static str,
         /// The backend's own message.
         message: String,
+        /// The underlying error, where there is one (a `cudarc::driver::DriverError`, an
+        /// `std::io::Error`, ...): also [`source`](std::error::Error::source).
+        cause: Option<Cause>,
     },
+}
+
+/// The underlying error behind an [`Error`], shared so that errors stay `Clone`: a driver error
+/// (downcast to `cudarc::driver::DriverError` for its `CUresult`), an I/O error, another
+/// library's error. Two causes are equal when they are the same error, the same driver result,
+/// or print the same.
+#[derive(Clone)]
+pub struct Cause(Arc<dyn std::error::Error + Send + Sync + 'static>);
+
+impl Cause {
+    /// Wraps an error.
+    pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Cause {
+        Cause(Arc::new(e))
+    }
+
+    /// The error itself (`.downcast_ref::<cudarc::driver::DriverError>()` and the like).
+    pub fn get(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl fmt::Debug for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for Cause {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl PartialEq for Cause {
+    fn eq(&self, other: &Cause) -> bool {
+        use cudarc::driver::DriverError;
+        if Arc::ptr_eq(&self.0, &other.0) {
+            return true;
+        }
+        // Driver errors by their result (printing one asks the driver for its words).
+        match (self.0.downcast_ref::<DriverError>(), other.0.downcast_ref::<DriverError>()) {
+            (Some(a), Some(b)) => a == b,
+            (None, None) => {
+                self.0.to_string() == other.0.to_string() && format!("{:?}", self.0) == format!("{:?}", other.0)
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Eq for Cause {}
+
+impl Error {
+    /// [`Error::Backend`] with a message and no underlying error.
+    pub fn backend(op: &'static str, message: impl Into<String>) -> Error {
+        Error::Backend { op, message: message.into(), cause: None }
+    }
+
+    /// [`Error::Backend`] from an underlying error: its words are the message, and it is the
+    /// [`source`](std::error::Error::source).
+    pub fn caused_by(op: &'static str, cause: impl std::error::Error + Send + Sync + 'static) -> Error {
+        Error::Backend { op, message: cause.to_string(), cause: Some(Cause::new(cause)) }
+    }
+
+    /// [`Error::Backend`] with a message of its own and an underlying error.
+    pub fn with_cause(
+        op: &'static str,
+        message: impl Into<String>,
+        cause: impl std::error::Error + Send + Sync + 'static,
+    ) -> Error {
+        Error::Backend { op, message: message.into(), cause: Some(Cause::new(cause)) }
+    }
 }
 
 /// The figures behind an out-of-memory error, in the manner of PyTorch's message.
@@ -212,12 +288,19 @@ impl fmt::Display for Error {
                 write!(f, "the allocator `{allocator}` of pool {pool} failed: {message}")
             }
             Error::Capture { what, message } => write!(f, "{what}: {message}"),
-            Error::Backend { op, message } => write!(f, "{op} failed: {message}"),
+            Error::Backend { op, message, .. } => write!(f, "{op} failed: {message}"),
         }
     }
 }
 
-impl std::error::Error for Error {}
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Error::Backend { cause: Some(c), .. } => Some(c.get()),
+            _ => None,
+        }
+    }
+}
 
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

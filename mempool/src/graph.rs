@@ -7,7 +7,7 @@
 //! # fn main() -> mempool::Result<()> {
 //! use mempool::{Allocator, CaptureMode, MemPool};
 //! let alloc = Allocator::cuda(0)?;
-//! let stream = alloc.context().new_stream().map_err(|e| mempool::Error::Backend { op: "new_stream", message: e.to_string() })?;
+//! let stream = alloc.context().new_stream().map_err(|e| mempool::Error::caused_by("new_stream", e))?;
 //! let _current = alloc.set_stream(&stream)?;
 //! let pool = MemPool::new()?;
 //! let capture = alloc.begin_capture(&stream, &pool, CaptureMode::Global)?;

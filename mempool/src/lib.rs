@@ -73,7 +73,7 @@ pub use buffer::Buffer;
 pub use config::Config;
 pub use counting::{AllocatorCounts, Counting};
 pub use elem::AnyBitPattern;
-pub use error::{Error, OomReport, Result};
+pub use error::{Cause, Error, OomReport, Result};
 pub use graph::{Capture, CaptureMode, Graph};
 pub use id::{AllocatorId, EventId, PoolId, StreamId};
 pub use pool::{MemPool, PoolOptions};

@@ -8,7 +8,7 @@
 //! [`within`] (a watchdog thread) or is built so that the blocked side gives up after a few
 //! seconds and the test then reports that it had to.
 //!
-//! Run: `cargo test -p mempool --test attacks`.
+//! Run: `cargo test -p cuda-mempool --test attacks`.
 
 mod common;
 

@@ -9,7 +9,7 @@
 //!
 //! Hangs are caught by [`within`] (a watchdog thread); panics by `catch_unwind`.
 //!
-//! Run: `cargo test -p mempool --test attacks2`.
+//! Run: `cargo test -p cuda-mempool --test attacks2`.
 
 mod common;
 

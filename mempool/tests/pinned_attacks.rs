@@ -2,7 +2,7 @@
 //! `host_slice_mut`, `mark_device_use`, the thread-cache decision for host-visible memory).
 //!
 //! Almost everything here needs a CUDA GPU (`#[ignore = "needs a CUDA GPU"]`; run with
-//! `cargo test -p mempool --test pinned_attacks -- --ignored --test-threads=1`). Probes that
+//! `cargo test -p cuda-mempool --test pinned_attacks -- --ignored --test-threads=1`). Probes that
 //! may abort the process (a null slice under debug UB checks), segfault (a host view of device
 //! memory) or hang (events recorded into a capture) run their body in a child process of this
 //! same test binary, with a time limit, so that one crash does not take the other tests down.

@@ -6,7 +6,7 @@
 //! nothing was ever freed through another free function. A failing sequence is shrunk to a
 //! minimal one and printed, to be kept below as a regression test.
 //!
-//! `MEMPOOL_RELIABILITY_OPS=1000000 cargo test --release -p mempool --test reliability` runs the
+//! `MEMPOOL_RELIABILITY_OPS=1000000 cargo test --release -p cuda-mempool --test reliability` runs the
 //! full campaign; CI runs a shorter one.
 
 mod common;

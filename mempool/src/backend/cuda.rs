@@ -4,7 +4,7 @@
 //! device allows, GPUDirect RDMA capable where it says so, readable and writable by every peer
 //! device that can reach it; fabric handles are not asked for). This file and `host.rs` hold the crate's only CUDA `unsafe`.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -16,9 +16,23 @@ use crate::error::{Error, Result};
 
 /// Whether libcuda can be loaded, probed once (cudarc panics when it is absent).
 fn driver_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: `is_culib_present` only tries to open the library by name.
-    *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+    #[cfg(feature = "dynamic-loading")]
+    {
+        static PRESENT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        // SAFETY: `is_culib_present` only tries to open the library by name.
+        *PRESENT.get_or_init(|| unsafe { cudarc::driver::sys::is_culib_present() })
+    }
+    // Linked at build time: the program would not have started without it.
+    #[cfg(not(feature = "dynamic-loading"))]
+    true
+}
+
+/// The [`Error::Backend`] for a failed driver call, the driver's error as its source. Its words
+/// come from the driver (`cuGetErrorString`) where one is loaded, else the result's name (a
+/// `DriverError` made up without a driver is never formatted through it).
+pub(crate) fn driver_error(op: &'static str, e: DriverError) -> Error {
+    let words = if driver_present() { e.to_string() } else { format!("{:?}", e.0) };
+    Error::with_cause(op, words, e)
 }
 
 /// The number of CUDA devices, or [`Error::NoCudaDriver`] when no driver can be loaded.
@@ -31,15 +45,29 @@ pub fn device_count() -> Result<usize> {
     Ok(n.max(0) as usize)
 }
 
+/// A `CUmemLocation` of `type_` and `id`, whatever CUDA API level cudarc was built for (12.x
+/// has an `id` field; 13.2 moved it into a union beside a NUMA-locality pair). Both layouts put
+/// the 32-bit id right after the 32-bit type, which this writes through a pointer, so the code
+/// compiles against every level, `cuda-version-from-build-system` included.
+pub fn mem_location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+    const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
+    const _: () = assert!(std::mem::align_of::<sys::CUmemLocation>() == 4);
+    // SAFETY: a plain C struct of integers; all zeros is valid.
+    let mut loc: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    loc.type_ = type_;
+    // SAFETY: the struct is 8 bytes, 4-aligned (checked above), its first 4 bytes the type; the
+    // next 4 are the id at every API level (a plain `int`, or the union whose `int` member starts
+    // at its offset 0), so the write stays inside `loc` and sets exactly the id.
+    unsafe { std::ptr::addr_of_mut!(loc).cast::<i32>().add(1).write(id) };
+    loc
+}
+
 pub(crate) fn driver_err(op: &'static str, e: DriverError) -> Error {
-    Error::Backend { op, message: e.to_string() }
+    driver_error(op, e)
 }
 
 fn failed(e: DriverError) -> BackendError {
-    match e.0 {
-        CUresult::CUDA_ERROR_OUT_OF_MEMORY => BackendError::OutOfMemory,
-        _ => BackendError::Failed(e.to_string()),
-    }
+    BackendError::from(e)
 }
 
 /// What the device offers for expandable segments (probed when the backend is made).
@@ -153,8 +181,7 @@ fn alloc_prop(ordinal: usize, posix_fd: bool, rdma: bool) -> sys::CUmemAllocatio
     // handle type, no flags, a null pointer).
     let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-    p.location.id = ordinal as i32;
+    p.location = mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, ordinal as i32);
     if posix_fd {
         p.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     }
@@ -250,10 +277,10 @@ impl CudaBackend {
         // SAFETY: out-parameter and two valid device handles.
         let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, other.cu_device(), self.ctx.cu_device()) };
         if r != CUresult::CUDA_SUCCESS || can == 0 {
-            return Err(Error::Backend {
-                op: "cuDeviceCanAccessPeer",
-                message: format!("device {peer} cannot reach device {}'s memory ({r:?})", self.ctx.ordinal()),
-            });
+            return Err(Error::backend(
+                "cuDeviceCanAccessPeer",
+                format!("device {peer} cannot reach device {}'s memory ({r:?})", self.ctx.ordinal()),
+            ));
         }
         other.bind_to_thread().map_err(|e| driver_err("binding the peer device", e))?;
         // SAFETY: `self.ctx` is a live context (this backend retains it); the call changes only
@@ -264,7 +291,7 @@ impl CudaBackend {
                 peers.push(other);
                 Ok(())
             }
-            r => Err(Error::Backend { op: "cuCtxEnablePeerAccess", message: format!("{r:?}") }),
+            r => Err(Error::caused_by("cuCtxEnablePeerAccess", DriverError(r))),
         }
     }
 
@@ -595,8 +622,7 @@ impl CudaBackend {
             .map(|id| {
                 // SAFETY: a plain C struct of integers, all zeros valid.
                 let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-                d.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-                d.location.id = id;
+                d.location = mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id);
                 d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
                 d
             })
@@ -638,10 +664,7 @@ impl<'a> HostRegistration<'a> {
     /// the driver's other refusals.
     pub fn new(device: usize, mem: &'a mut [u8]) -> Result<HostRegistration<'a>> {
         if mem.is_empty() {
-            return Err(Error::Backend {
-                op: "cuMemHostRegister",
-                message: "an empty range cannot be registered".into(),
-            });
+            return Err(Error::backend("cuMemHostRegister", "an empty range cannot be registered"));
         }
         let count = device_count()?;
         if device >= count {
@@ -656,24 +679,18 @@ impl<'a> HostRegistration<'a> {
         match r {
             CUresult::CUDA_SUCCESS => {}
             CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED => {
-                return Err(Error::Backend {
-                    op: "cuMemHostRegister",
-                    message: format!(
+                return Err(Error::backend("cuMemHostRegister", format!(
                         "{:p}..+{} is already registered (wholly or in part), or is pinned memory: nothing was changed",
                         mem.as_ptr(),
                         mem.len()
-                    ),
-                })
+                    )))
             }
             r => {
-                return Err(Error::Backend {
-                    op: "cuMemHostRegister",
-                    message: format!(
+                return Err(Error::backend("cuMemHostRegister", format!(
                         "{:p}..+{}: the driver refuses it ({r:?}; memory from cuMemHostAlloc gets CUDA_ERROR_INVALID_VALUE): nothing was changed",
                         mem.as_ptr(),
                         mem.len()
-                    ),
-                })
+                    )))
             }
         }
         let mut dev: sys::CUdeviceptr = 0;
@@ -682,7 +699,7 @@ impl<'a> HostRegistration<'a> {
         if g != CUresult::CUDA_SUCCESS {
             // SAFETY: registered above; undone once.
             let _ = unsafe { sys::cuMemHostUnregister(mem.as_mut_ptr().cast()) };
-            return Err(Error::Backend { op: "cuMemHostGetDevicePointer", message: format!("{g:?}") });
+            return Err(Error::caused_by("cuMemHostGetDevicePointer", DriverError(g)));
         }
         Ok(HostRegistration { ctx, mem, dev })
     }

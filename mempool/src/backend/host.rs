@@ -63,7 +63,7 @@ unsafe impl Backend for HostBackend {
     fn alloc_segment(&self, size: usize, _stream: StreamId) -> Result<u64, BackendError> {
         match &self.pinned {
             Some(ctx) => {
-                ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+                ctx.bind_to_thread().map_err(BackendError::from)?;
                 // SAFETY: the context is current on this thread; the returned pointer is owned
                 // by the caching allocator until `free_segment` gives it back.
                 let p = unsafe { result::malloc_host(size, 0) }.map_err(|e| match e.0 {
@@ -88,10 +88,9 @@ unsafe impl Backend for HostBackend {
     unsafe fn free_segment(&self, addr: u64, size: usize) -> Result<(), BackendError> {
         match &self.pinned {
             Some(ctx) => {
-                ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+                ctx.bind_to_thread().map_err(BackendError::from)?;
                 // SAFETY: `addr` came from `malloc_host` in `alloc_segment` and is freed once.
-                unsafe { result::free_host(addr as *mut std::ffi::c_void) }
-                    .map_err(|e| BackendError::Failed(e.to_string()))
+                unsafe { result::free_host(addr as *mut std::ffi::c_void) }.map_err(BackendError::from)
             }
             None => {
                 let layout = Layout::from_size_align(size, ALIGN).map_err(|e| BackendError::Failed(e.to_string()))?;

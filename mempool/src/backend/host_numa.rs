@@ -75,8 +75,7 @@ pub fn probe(device: usize) -> Result<HostNumaSupport> {
     if device >= count {
         return Err(Error::InvalidDevice { device, count });
     }
-    let ctx =
-        CudaContext::new(device).map_err(|e| Error::Backend { op: "opening the device", message: e.to_string() })?;
+    let ctx = CudaContext::new(device).map_err(|e| Error::caused_by("opening the device", e))?;
     let attr = |a| ctx.attribute(a).unwrap_or(-1);
     let id = attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID);
     let nodes = host_nodes();
@@ -128,8 +127,7 @@ fn prop(node: i32) -> sys::CUmemAllocationProp {
     // SAFETY: a plain C struct; all-zero is its "nothing requested" value.
     let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    p.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
-    p.location.id = node;
+    p.location = super::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, node);
     p
 }
 
@@ -158,9 +156,8 @@ impl HostNumaAllocator {
                 support.nodes
             )));
         }
-        let ctx = CudaContext::new(device)
-            .map_err(|e| Error::Backend { op: "opening the device", message: e.to_string() })?;
-        ctx.bind_to_thread().map_err(|e| Error::Backend { op: "binding the device", message: e.to_string() })?;
+        let ctx = CudaContext::new(device).map_err(|e| Error::caused_by("opening the device", e))?;
+        ctx.bind_to_thread().map_err(|e| Error::caused_by("binding the device", e))?;
         let mut g = 0usize;
         let p = prop(node);
         // SAFETY: `p` is a valid property struct and `g` a place for the answer.
@@ -206,7 +203,7 @@ impl HostNumaAllocator {
     /// `size` bytes (a granularity multiple) created on the node, mapped at a range reserved for
     /// them alone, with read/write access for the device, and the CPU if `cpu`.
     fn map(&self, size: usize, cpu: bool) -> Result<u64, BackendError> {
-        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
         let p = prop(self.node);
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: out-parameter and a valid property struct; `size` is a granularity multiple.
@@ -259,7 +256,7 @@ impl HostNumaAllocator {
     /// # Safety
     /// `ptr..ptr + size` is exactly a range `map` returned, not unmapped yet, unused.
     unsafe fn unmap(&self, ptr: u64, size: usize) -> Result<(), BackendError> {
-        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
         // SAFETY: the caller's contract.
         let r = unsafe { sys::cuMemUnmap(ptr, size) };
         if r != CUresult::CUDA_SUCCESS {
@@ -274,15 +271,15 @@ impl HostNumaAllocator {
     fn access(&self, node_too: bool) -> Vec<sys::CUmemAccessDesc> {
         // SAFETY: plain C structs; all-zero is a valid start.
         let mut dev: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        dev.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        dev.location.id = self.ctx.ordinal() as i32;
+        dev.location =
+            super::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, self.ctx.ordinal() as i32);
         dev.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         let mut v = vec![dev];
         if node_too {
             // SAFETY: as above.
             let mut host: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-            host.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA;
-            host.location.id = self.node;
+            host.location =
+                super::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, self.node);
             host.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
             v.push(host);
         }
@@ -321,7 +318,7 @@ unsafe impl RawAllocator for HostNumaAllocator {
     }
 
     unsafe fn free(&self, ptr: u64, size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {
-        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
         // Work queued on the segment's stream may still use it, and an unmap does not wait for
         // queued work: the stream's work comes first.
         // SAFETY: the caller promises `stream` is the segment's stream, alive during the call.

@@ -37,11 +37,15 @@ pub(crate) type Keep = Arc<dyn Any + Send + Sync>;
 
 /// What a backend reports when it cannot do what was asked.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BackendError {
     /// The device has no memory left for this request.
     OutOfMemory,
-    /// Anything else, with the driver's words.
+    /// Anything else, with the backend's words.
     Failed(String),
+    /// A CUDA driver call failed (other than for lack of memory): the error becomes the
+    /// [`source`](std::error::Error::source) of the [`Error`](crate::Error) it turns into.
+    Driver(cudarc::driver::DriverError),
 }
 
 impl fmt::Display for BackendError {
@@ -49,11 +53,40 @@ impl fmt::Display for BackendError {
         match self {
             BackendError::OutOfMemory => f.write_str("out of memory"),
             BackendError::Failed(m) => f.write_str(m),
+            BackendError::Driver(e) => fmt::Display::fmt(e, f),
         }
     }
 }
 
-impl std::error::Error for BackendError {}
+impl std::error::Error for BackendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            BackendError::Driver(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// A driver error: `OutOfMemory` for `CUDA_ERROR_OUT_OF_MEMORY`, else `Driver`.
+impl From<cudarc::driver::DriverError> for BackendError {
+    fn from(e: cudarc::driver::DriverError) -> BackendError {
+        match e.0 {
+            cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => BackendError::OutOfMemory,
+            _ => BackendError::Driver(e),
+        }
+    }
+}
+
+impl BackendError {
+    /// The [`Error`](crate::Error) for this failure of `op`, keeping a driver error as its
+    /// source.
+    pub(crate) fn into_error(self, op: &'static str) -> crate::Error {
+        match self {
+            BackendError::Driver(e) => cuda::driver_error(op, e),
+            e => crate::Error::backend(op, e.to_string()),
+        }
+    }
+}
 
 /// Raw segments, streams and events of one device.
 ///
@@ -321,5 +354,43 @@ pub(crate) fn contain<T>(what: &str, f: impl FnOnce() -> Result<T, BackendError>
             std::mem::forget(p);
             Err(BackendError::Failed(format!("{what} panicked: {msg}")))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{Cause, Error};
+    use cudarc::driver::{sys::CUresult, DriverError};
+
+    fn is_shareable<T: std::error::Error + Send + Sync + 'static>() {}
+
+    #[test]
+    fn errors_are_send_sync_static() {
+        is_shareable::<Error>();
+        is_shareable::<BackendError>();
+        fn send_sync<T: Send + Sync + 'static>() {}
+        send_sync::<Cause>();
+    }
+
+    #[test]
+    fn a_driver_failure_keeps_the_driver_error_as_its_source() {
+        let d = DriverError(CUresult::CUDA_ERROR_INVALID_VALUE);
+        let e = BackendError::from(d).into_error("segment allocation");
+        let src = std::error::Error::source(&e).expect("a source");
+        assert!(src.downcast_ref::<DriverError>() == Some(&d));
+        let Error::Backend { op, message, .. } = &e else { panic!("not a backend error") };
+        assert_eq!(*op, "segment allocation");
+        assert!(message.contains("CUDA_ERROR_INVALID_VALUE"), "{message}");
+        // Out of memory is not a driver failure: the caching layer's out-of-memory path takes it.
+        assert_eq!(BackendError::from(DriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY)), BackendError::OutOfMemory);
+        // A backend's own words have no source.
+        let e = BackendError::Failed("refused".into()).into_error("map");
+        assert!(std::error::Error::source(&e).is_none());
+        assert_eq!(e, Error::backend("map", "refused"));
+        // Clones compare equal and share the cause.
+        let a = cuda::driver_error("x", d);
+        assert!(a.clone() == a);
+        assert!(a != cuda::driver_error("x", DriverError(CUresult::CUDA_ERROR_INVALID_HANDLE)));
     }
 }

@@ -74,7 +74,7 @@ fn check(op: &'static str, r: CUresult) -> Result<()> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::Backend { op, message: format!("{r:?}") })
+        Err(Error::caused_by(op, cudarc::driver::DriverError(r)))
     }
 }
 
@@ -86,17 +86,15 @@ impl StreamOrderedAllocator {
         if device >= count {
             return Err(Error::InvalidDevice { device, count });
         }
-        let ctx = CudaContext::new(device)
-            .map_err(|e| Error::Backend { op: "opening the device", message: e.to_string() })?;
-        ctx.bind_to_thread().map_err(|e| Error::Backend { op: "binding the device", message: e.to_string() })?;
+        let ctx = CudaContext::new(device).map_err(|e| Error::caused_by("opening the device", e))?;
+        ctx.bind_to_thread().map_err(|e| Error::caused_by("binding the device", e))?;
         if ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).unwrap_or(0) == 0 {
             return Err(Error::Config(format!("device {device} has no stream-ordered memory pools")));
         }
         // SAFETY: a plain C struct; all-zero is its "nothing requested" value.
         let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
         props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        props.location.id = device as i32;
+        props.location = super::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device as i32);
         props.maxSize = options.max_size;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: out-parameter and a valid property struct.
@@ -106,7 +104,7 @@ impl StreamOrderedAllocator {
             Err(e) => {
                 // SAFETY: the pool was created just above and is destroyed once, unused.
                 let _ = unsafe { sys::cuMemPoolDestroy(pool) };
-                return Err(Error::Backend { op: "creating the pool's stream", message: e.to_string() });
+                return Err(Error::caused_by("creating the pool's stream", e));
             }
         };
         let me = StreamOrderedAllocator { ctx, pool, own, name: format!("cudaMallocAsync pool of device {device}") };
@@ -185,18 +183,14 @@ impl StreamOrderedAllocator {
         }
         // SAFETY: a plain C struct; all-zero is a valid start.
         let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
-        d.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-        d.location.id = peer as i32;
+        d.location = super::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, peer as i32);
         d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
         // SAFETY: a live pool and one valid descriptor.
         check("cuMemPoolSetAccess", unsafe { sys::cuMemPoolSetAccess(self.pool, &d, 1) }).map_err(|e| match e {
-            Error::Backend { message, .. } => Error::Backend {
-                op: "cuMemPoolSetAccess",
-                message: format!(
-                    "device {peer} cannot be given access to device {}'s pool: {message}",
-                    self.ctx.ordinal()
-                ),
-            },
+            Error::Backend { message, .. } => Error::backend(
+                "cuMemPoolSetAccess",
+                format!("device {peer} cannot be given access to device {}'s pool: {message}", self.ctx.ordinal()),
+            ),
             e => e,
         })
     }
@@ -228,7 +222,7 @@ unsafe impl RawAllocator for StreamOrderedAllocator {
         if device != self.ctx.ordinal() {
             return Err(BackendError::Failed(format!("{} does not serve device {device}", self.name)));
         }
-        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
         let own = self.own.cu_stream();
         let mut p: sys::CUdeviceptr = 0;
         // SAFETY: out-parameter; a live pool; `own` is this allocator's live stream, never
@@ -253,7 +247,7 @@ unsafe impl RawAllocator for StreamOrderedAllocator {
     }
 
     unsafe fn free(&self, ptr: u64, _size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {
-        self.ctx.bind_to_thread().map_err(|e| BackendError::Failed(e.to_string()))?;
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
         // SAFETY: `ptr` came from `alloc` on `stream`, which is alive during the call and after
         // whose queued work the memory is reused (stream order); freed once.
         let r = unsafe { sys::cuMemFreeAsync(ptr, stream.0 as sys::CUstream) };

@@ -51,10 +51,10 @@ impl State {
                     // than risk handing it out early.
                     self.block_mut(block).pending += 1;
                     let addr = self.block(block).addr;
-                    self.error.get_or_insert(Error::Backend {
-                        op: "recording a cross-stream event",
-                        message: format!("{e}; block {addr:#x} is held back"),
-                    });
+                    self.error.get_or_insert(Error::backend(
+                        "recording a cross-stream event",
+                        format!("{e}; block {addr:#x} is held back"),
+                    ));
                 }
             }
             // The event holds no reference to the stream: the stream may go now.
@@ -81,8 +81,7 @@ impl State {
                 }
                 Ok(false) => i += 1,
                 Err(e) => {
-                    self.error
-                        .get_or_insert(Error::Backend { op: "querying a cross-stream event", message: e.to_string() });
+                    self.error.get_or_insert(Error::caused_by("querying a cross-stream event", e));
                     i += 1;
                 }
             }
@@ -127,10 +126,7 @@ impl State {
                     self.event_done(be, ev, block);
                 }
                 Err(e) => {
-                    self.error.get_or_insert(Error::Backend {
-                        op: "waiting for a cross-stream event",
-                        message: e.to_string(),
-                    });
+                    self.error.get_or_insert(Error::caused_by("waiting for a cross-stream event", e));
                     i += 1;
                 }
             }

@@ -557,7 +557,7 @@ impl State {
             Err(m) => {
                 r.runs.insert(u.addr, (u.size, u.handle));
                 let key = r.key;
-                let e = Error::Backend { op: "unmap", message: format!("{m} ({} bytes at {:#x})", u.size, u.addr) };
+                let e = Error::backend("unmap", format!("{m} ({} bytes at {:#x})", u.size, u.addr));
                 if veto {
                     self.vetoed.get_or_insert(e);
                 } else {
@@ -594,10 +594,10 @@ impl State {
     /// error kept; nothing is mapped in it).
     pub(super) fn unreserved(&mut self, u: &Unreserving, result: Result<(), String>) {
         if let Err(m) = result {
-            self.error.get_or_insert(Error::Backend {
-                op: "address reservation free",
-                message: format!("{m} ({} bytes at {:#x})", u.size, u.addr),
-            });
+            self.error.get_or_insert(Error::backend(
+                "address reservation free",
+                format!("{m} ({} bytes at {:#x})", u.size, u.addr),
+            ));
         }
         self.pools[u.slot.get()].segments -= 1;
         self.retire_pool_if_empty(u.slot);

@@ -725,7 +725,7 @@ impl DeviceAllocator {
                             } else {
                                 None
                             };
-                            let err = why.filter(|_| !gone).map(|w| st.alloc_failed(slot, w));
+                            let err = why.filter(|_| !gone).map(|w| st.alloc_failed(slot, BackendError::Failed(w)));
                             keep = Some(seg_keep.clone());
                             drop(st);
                             self.give_back(&source, addr, size, req.stream, seg_keep);
@@ -745,8 +745,8 @@ impl DeviceAllocator {
                         drop(st);
                         continue;
                     }
-                    Some((Err(BackendError::Failed(m)), _, _)) => {
-                        let e = st.alloc_failed(slot, m);
+                    Some((Err(e @ (BackendError::Failed(_) | BackendError::Driver(_))), _, _)) => {
+                        let e = st.alloc_failed(slot, e);
                         self.unlock(st, false);
                         return Err(e);
                     }
@@ -867,8 +867,8 @@ impl DeviceAllocator {
                     return Grown::Done(a);
                 }
                 match failed {
-                    Some(BackendError::Failed(m)) => {
-                        let e = Error::Backend { op: "map", message: m };
+                    Some(e @ (BackendError::Failed(_) | BackendError::Driver(_))) => {
+                        let e = e.into_error("map");
                         self.unlock(st, true);
                         Grown::Failed(e)
                     }
@@ -909,9 +909,9 @@ impl DeviceAllocator {
                         Grown::Retry
                     }
                     Err(BackendError::OutOfMemory) => Grown::OutOfMemory(st),
-                    Err(BackendError::Failed(m)) => {
+                    Err(e) => {
                         drop(st);
-                        Grown::Failed(Error::Backend { op: "address reservation", message: m })
+                        Grown::Failed(e.into_error("address reservation"))
                     }
                 }
             }
@@ -938,10 +938,10 @@ impl DeviceAllocator {
         drop(keep);
         if let Err(e) = r {
             let mut st = self.lock();
-            st.error.get_or_insert(Error::Backend {
-                op: "giving back a refused segment",
-                message: format!("{e} (segment {addr:#x}, {size} bytes)"),
-            });
+            st.error.get_or_insert(Error::backend(
+                "giving back a refused segment",
+                format!("{e} (segment {addr:#x}, {size} bytes)"),
+            ));
         }
     }
 
@@ -1015,10 +1015,7 @@ impl DeviceAllocator {
         };
         let be = &*self.backend;
         for (stream, _keep) in uses {
-            let failed = |e: BackendError| Error::Backend {
-                op: "waiting for a stream that used the buffer",
-                message: e.to_string(),
-            };
+            let failed = |e: BackendError| Error::caused_by("waiting for a stream that used the buffer", e);
             // SAFETY: `stream` is alive: `_keep` holds it (CUDA) for the calls.
             let ev = unsafe { be.record_event(stream.raw) }.map_err(failed)?;
             // SAFETY: `ev` was just recorded by this backend; released once, right after.

@@ -155,10 +155,9 @@ impl State {
                 allocator: r.pool_name.clone(),
                 message: format!("free of segment {:#x} ({} bytes) failed: {message}", r.addr, r.size),
             },
-            Source::Backend => Error::Backend {
-                op: "segment free",
-                message: format!("{message} (segment {:#x}, {} bytes)", r.addr, r.size),
-            },
+            Source::Backend => {
+                Error::backend("segment free", format!("{message} (segment {:#x}, {} bytes)", r.addr, r.size))
+            }
         });
         let Released { addr, size, slot, small, stream, _keep, source, .. } = r;
         let block = self.insert_segment(addr, size, (slot, stream.key, small), stream, _keep, false);
@@ -334,11 +333,11 @@ impl State {
         stacks
     }
 
-    pub(super) fn alloc_failed(&self, pool: Slot, message: String) -> Error {
+    pub(super) fn alloc_failed(&self, pool: Slot, e: crate::BackendError) -> Error {
         let spec = &self.pools[pool.get()].spec;
         match spec.raw {
-            Some(_) => Error::PoolAllocator { pool: spec.id.0, allocator: spec.name.clone(), message },
-            None => Error::Backend { op: "segment allocation", message },
+            Some(_) => Error::PoolAllocator { pool: spec.id.0, allocator: spec.name.clone(), message: e.to_string() },
+            None => e.into_error("segment allocation"),
         }
     }
 

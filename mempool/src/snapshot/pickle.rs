@@ -160,13 +160,28 @@ impl Snapshot {
 
     /// Writes [`to_pickle`](Self::to_pickle) to `w`.
     pub fn write_pickle_to(&self, mut w: impl Write) -> Result<()> {
-        w.write_all(&self.to_pickle()).map_err(|e| Error::Backend { op: "writing a snapshot", message: e.to_string() })
+        w.write_all(&self.to_pickle()).map_err(|e| Error::caused_by("writing a snapshot", e))
     }
 
     /// Writes [`to_pickle`](Self::to_pickle) to the file at `path`.
     pub fn write_pickle(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         std::fs::write(path, self.to_pickle())
-            .map_err(|e| Error::Backend { op: "writing a snapshot", message: format!("{}: {e}", path.display()) })
+            .map_err(|e| Error::with_cause("writing a snapshot", format!("{}: {e}", path.display()), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// A snapshot that cannot be written: the path in the message, the I/O error as the source.
+    #[test]
+    fn a_failed_snapshot_write_names_the_path_and_keeps_the_io_error() {
+        let a = crate::Allocator::sim(crate::sim::SimDevice::new(1 << 30));
+        let path = std::env::temp_dir().join("mempool-no-such-dir").join("deeper").join("s.pickle");
+        let e = a.snapshot().write_pickle(&path).unwrap_err();
+        assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+        let src = std::error::Error::source(&e);
+        let io = src.and_then(|s| s.downcast_ref::<std::io::Error>()).expect("an io::Error source");
+        assert_eq!(io.kind(), std::io::ErrorKind::NotFound);
     }
 }
