@@ -65,6 +65,33 @@ struct RegState {
     freed_meanwhile: Option<HashSet<u64>>,
     errors: Vec<Error>,
     closed: bool,
+    /// Registrations and deregistrations not yet told to `tracing` (told once the lock is let
+    /// go: a subscriber is user code).
+    #[cfg(feature = "tracing")]
+    told: Vec<Told>,
+}
+
+/// One registration step for `tracing`: what, the segment, whether NCCL accepted it.
+#[cfg(feature = "tracing")]
+type Told = (&'static str, u64, usize, bool);
+
+/// Runs `f` on the state, then tells `tracing` what it registered and deregistered.
+fn with_state<T>(s: &Mutex<RegState>, f: impl FnOnce(&mut RegState) -> T) -> T {
+    let mut st = lock(s);
+    let r = f(&mut st);
+    #[cfg(feature = "tracing")]
+    {
+        let told = std::mem::take(&mut st.told);
+        drop(st);
+        for (what, segment, size, ok) in told {
+            if ok {
+                tracing::debug!(target: "mempool_nccl", segment, size, "{what}");
+            } else {
+                tracing::warn!(target: "mempool_nccl", segment, size, "{what} refused by NCCL");
+            }
+        }
+    }
+    r
 }
 
 fn lock(s: &Mutex<RegState>) -> MutexGuard<'_, RegState> {
@@ -98,7 +125,10 @@ impl RegState {
         if !self.registrar.covers(addr, size) {
             return;
         }
-        match self.registrar.register(addr, size) {
+        let r = self.registrar.register(addr, size);
+        #[cfg(feature = "tracing")]
+        self.told.push(("segment registered", addr, size, r.is_ok()));
+        match r {
             Ok(handle) => {
                 self.entries.insert(addr, Entry { size, handle });
             }
@@ -109,7 +139,10 @@ impl RegState {
     /// Deregisters the segment at `addr` if it is registered; on failure the entry stays.
     fn deregister(&mut self, addr: u64) {
         let Some(e) = self.entries.get(&addr).copied() else { return };
-        match self.registrar.deregister(e.handle) {
+        let r = self.registrar.deregister(e.handle);
+        #[cfg(feature = "tracing")]
+        self.told.push(("segment deregistered", addr, e.size, r.is_ok()));
+        match r {
             Ok(()) => {
                 self.entries.remove(&addr);
             }
@@ -167,7 +200,7 @@ impl RegLink {
     /// Deregisters everything; later events are ignored.
     pub(crate) fn close(&self) {
         if let Some(s) = self.0.upgrade() {
-            lock(&s).close();
+            with_state(&s, RegState::close);
         }
     }
 
@@ -215,17 +248,18 @@ impl Registration {
             freed_meanwhile: Some(HashSet::new()),
             errors: Vec::new(),
             closed: false,
+            #[cfg(feature = "tracing")]
+            told: Vec::new(),
         }));
         let s = state.clone();
         // The hook first, so no segment allocated from now on is missed...
-        let hook = trace::attach(move |e| lock(&s).on_event(e))?;
+        let hook = trace::attach(move |e| with_state(&s, |st| st.on_event(e)))?;
         // ...then what exists already. Hooks run outside the allocator's lock, so the snapshot
         // may show a segment the hook is about to see freed: a segment the hook saw freed
         // meanwhile is skipped, and one freed later is deregistered by the hook (which sees its
         // `SegmentFree` before its memory goes back).
         let snap = alloc.snapshot();
-        {
-            let mut st = lock(&state);
+        with_state(&state, |st| {
             let freed = st.freed_meanwhile.take().unwrap_or_default();
             for seg in snap.segments.iter().filter(|s| pool.is_none_or(|p| p == s.pool)) {
                 // An expandable segment is registered as the physical allocations it was
@@ -236,7 +270,7 @@ impl Registration {
                     st.register(addr, size);
                 }
             }
-        }
+        });
         Ok(Registration { state, hook: Some(hook) })
     }
 
@@ -265,6 +299,6 @@ impl Drop for Registration {
         // Detached first (allowed inside a hook too); a delivery already under way may still
         // call the hook, which then finds the state closed.
         drop(self.hook.take());
-        lock(&self.state).close();
+        with_state(&self.state, RegState::close);
     }
 }

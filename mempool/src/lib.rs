@@ -35,6 +35,29 @@
 // they own. Everything else is safe code, and the lint keeps it so.
 #![deny(unsafe_code)]
 
+/// A `tracing` event, target `mempool` (feature `tracing`); without the feature, nothing: the
+/// arguments are not even compiled. Only where no allocator lock is held (a subscriber is user
+/// code, and may call mempool).
+macro_rules! tracing_event {
+    ($($arg:tt)*) => {
+        #[cfg(feature = "tracing")]
+        ::tracing::event!(target: "mempool", $($arg)*);
+    };
+}
+
+/// A `tracing` span, target `mempool`, entered until the value (an `Option`) is dropped
+/// (feature `tracing`); `None` without the feature. The same rule as [`tracing_event!`]: never
+/// under a lock.
+macro_rules! tracing_span {
+    ($($arg:tt)*) => {{
+        #[cfg(feature = "tracing")]
+        let span = Some(::tracing::span!(target: "mempool", $($arg)*).entered());
+        #[cfg(not(feature = "tracing"))]
+        let span: Option<()> = None;
+        span
+    }};
+}
+
 #[doc(hidden)]
 pub mod __private;
 #[allow(unsafe_code)] // `alloc_uninit`, and zero-filling a buffer through the backend

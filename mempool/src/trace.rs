@@ -227,6 +227,40 @@ pub(crate) fn enabled() -> bool {
     ACTIVE.load(Ordering::Relaxed) != 0
 }
 
+/// Whether segment-level events (segment allocation and free, map and unmap, out of memory) are
+/// wanted: by a hook or the history, or, with the `tracing` feature, possibly by a subscriber
+/// (the global level hint, one atomic load: no subscriber code runs here, which may be under an
+/// allocator's lock; the subscriber's own filter decides at delivery, outside every lock).
+#[inline]
+pub(crate) fn segments_wanted() -> bool {
+    #[cfg(feature = "tracing")]
+    if tracing::level_filters::LevelFilter::current() >= tracing::level_filters::LevelFilter::DEBUG {
+        return true;
+    }
+    enabled()
+}
+
+/// With the `tracing` feature: the segment-level events as `tracing` events (target `mempool`),
+/// called from delivery, outside every lock, in each allocator's event order.
+#[cfg(feature = "tracing")]
+fn to_tracing(e: &TraceEntry) {
+    let (allocator, device, pool, addr, size, stream) = (e.allocator.0, e.device, e.pool.0, e.addr, e.size, e.stream.0);
+    match e.action {
+        Action::SegmentAlloc => {
+            tracing::debug!(target: "mempool", allocator, device, pool, addr, size, stream, "segment allocated")
+        }
+        Action::SegmentFree => {
+            tracing::debug!(target: "mempool", allocator, device, pool, addr, size, stream, "segment freed")
+        }
+        Action::SegmentMap => tracing::debug!(target: "mempool", allocator, device, pool, addr, size, stream, "mapped"),
+        Action::SegmentUnmap => {
+            tracing::debug!(target: "mempool", allocator, device, pool, addr, size, stream, "unmapped")
+        }
+        Action::Oom => tracing::warn!(target: "mempool", allocator, device, pool, requested = size, "out of memory"),
+        Action::Alloc | Action::FreeRequested | Action::FreeCompleted => {}
+    }
+}
+
 /// Whether this thread is inside a callback. Read from the thread's own flag alone: another
 /// thread detaching the last hook meanwhile does not make it false.
 #[inline]
@@ -245,6 +279,13 @@ pub(crate) fn deliver(e: &TraceEntry) {
             }
             h.entries.push_back(e);
         }
+    }
+    #[cfg(feature = "tracing")]
+    {
+        // A subscriber is user code, as a hook is: allocating from it is refused the same way.
+        let was = IN_HOOK.with(|f| f.replace(true));
+        let _restore = scopeguard::guard((), |()| IN_HOOK.with(|f| f.set(was)));
+        to_tracing(&e);
     }
     let hooks: Vec<Callback> = HOOKS.read().unwrap_or_else(|p| p.into_inner()).iter().map(|(_, c)| c.clone()).collect();
     if hooks.is_empty() {

@@ -250,7 +250,7 @@ impl State {
             self.stats.on_map(small, s, true);
             self.pools[slot.get()].stats.on_map(s, true);
             self.pools[slot.get()].segments += 1;
-            if crate::trace::enabled() {
+            if crate::trace::segments_wanted() {
                 self.emit_entry(Action::SegmentMap, id, a, s, stream.raw);
             }
         }
@@ -394,7 +394,7 @@ impl State {
             self.stats.on_map(small, size, false);
             self.pools[slot.get()].stats.on_map(size, false);
             self.releasing += size;
-            if crate::trace::enabled() {
+            if crate::trace::segments_wanted() {
                 let id = self.pools[slot.get()].spec.id;
                 self.emit_entry(Action::SegmentUnmap, id, a, size, stream.raw);
             }
@@ -565,7 +565,7 @@ impl State {
                 }
                 self.stats.on_map_restored(u.small, u.size);
                 self.pools[u.slot.get()].stats.on_map_restored(u.size);
-                if crate::trace::enabled() {
+                if crate::trace::segments_wanted() {
                     let id = self.pools[u.slot.get()].spec.id;
                     self.emit_entry(Action::SegmentMap, id, u.addr, u.size, u.stream.raw);
                 }

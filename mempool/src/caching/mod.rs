@@ -646,6 +646,8 @@ impl DeviceAllocator {
         let be = &*self.backend;
         let small = is_small(rounded);
         let mut retried = false;
+        // The out-of-memory ladder's span (feature `tracing`), entered at its first rung.
+        let mut _ladder: Option<_> = None;
         // Before any user code runs (hooks and frees run when the lock is let go, and may change
         // this thread's current stream): the request's stream is still the current one.
         let mut keep = Some((req.keep)());
@@ -762,6 +764,16 @@ impl DeviceAllocator {
             if !retried {
                 retried = true;
                 drop(st);
+                _ladder = tracing_span!(
+                    ::tracing::Level::INFO,
+                    "out_of_memory_ladder",
+                    device = be.device(),
+                    requested = req.size
+                );
+                tracing_event!(
+                    ::tracing::Level::INFO,
+                    "no memory for a new segment: waiting for pending frees, giving back cached memory, retrying"
+                );
                 self.out_of_memory_retry(slot);
                 continue;
             }
@@ -769,7 +781,10 @@ impl DeviceAllocator {
                 if let Some(b) = st.borrow_from_pools(req.stream.key, small, rounded) {
                     let (block, _) = st.take_block(b, rounded, req.size);
                     let a = st.allocation(block);
+                    #[cfg(feature = "tracing")]
+                    let lender = st.pools[st.block(b).pool.get()].spec.id.0;
                     self.unlock(st, true);
+                    tracing_event!(::tracing::Level::INFO, lender, "served by a free block of a use_on_oom pool");
                     return Ok(a);
                 }
             }
@@ -1065,6 +1080,7 @@ impl DeviceAllocator {
     /// and tries again the segments whose free failed before.
     pub(crate) fn empty_cache(&self) -> Result<()> {
         self.refuse_if_capturing("empty_cache")?;
+        let _span = tracing_span!(::tracing::Level::DEBUG, "empty_cache", device = self.backend.device());
         self.drain_caches();
         let mut st = self.lock();
         st.synchronize_events(&*self.backend);
@@ -1078,6 +1094,12 @@ impl DeviceAllocator {
     /// `synchronize_and_free_events`), then gives back the wholly free segments of one pool.
     pub(crate) fn empty_pool_cache(&self, pool: PoolRef) -> Result<()> {
         self.refuse_if_capturing("MemPool::empty_cache")?;
+        let _span = tracing_span!(
+            ::tracing::Level::DEBUG,
+            "empty_pool_cache",
+            device = self.backend.device(),
+            pool = pool.id.0
+        );
         let mut st = self.lock();
         if !st.pending.is_empty() || !st.foreign.is_empty() {
             st.synchronize_events(&*self.backend);
@@ -1174,7 +1196,23 @@ impl DeviceAllocator {
     pub(crate) fn release_pool(&self, pool: PoolRef) {
         let mut st = self.lock();
         st.release_pool(&*self.backend, Slot(pool.slot), pool.id);
+        #[cfg(feature = "tracing")]
+        let held = {
+            let p = &st.pools[pool.slot as usize];
+            if p.spec.id == pool.id && p.live {
+                p.segments
+            } else {
+                0
+            }
+        };
         self.unlock(st, false);
+        tracing_event!(
+            ::tracing::Level::DEBUG,
+            device = self.backend.device(),
+            pool = pool.id.0,
+            segments_left = held,
+            "pool released: its cached segments are given back, the rest as their last blocks are freed"
+        );
     }
 
     pub(crate) fn snapshot(&self) -> Snapshot {

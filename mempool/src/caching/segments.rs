@@ -42,7 +42,7 @@ impl State {
         if fresh {
             self.pools[pool.get()].segments += 1;
         }
-        if crate::trace::enabled() {
+        if crate::trace::segments_wanted() {
             self.emit(Action::SegmentAlloc, block);
         }
         block
@@ -112,7 +112,7 @@ impl State {
         let head = s.head.take().expect("a live segment has a block");
         s.live = false;
         let (addr, size, small, pool, stream, keep) = (s.addr, s.size, s.small, s.pool, s.stream, s.keep.take());
-        if crate::trace::enabled() {
+        if crate::trace::segments_wanted() {
             let id = self.pools[pool.get()].spec.id;
             self.emit_entry(Action::SegmentFree, id, addr, size, stream.raw);
         }
@@ -287,7 +287,7 @@ impl State {
         self.stats.num_ooms += 1;
         self.pools[pool.get()].stats.num_ooms += 1;
         let id = self.pools[pool.get()].spec.id;
-        if crate::trace::enabled() {
+        if crate::trace::segments_wanted() {
             self.emit_entry(Action::Oom, id, 0, requested, crate::id::StreamId(0));
         }
         let stacks = self.top_stacks();
