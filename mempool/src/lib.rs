@@ -78,6 +78,8 @@ pub mod format;
 #[allow(unsafe_code)] // `Graph::replay`: the captured launches' contract, for every replay
 pub mod graph;
 mod id;
+#[allow(unsafe_code)] // CUDA IPC calls, and the shared-memory lease counter (`mmap`)
+pub mod ipc;
 mod kind;
 pub mod pool;
 pub mod rules;

@@ -18,7 +18,7 @@ const LAYERS: &[&[&str]] = &[
     &["buffer"],
     &["allocator"],
     &["pool"],
-    &["scope", "graph"],
+    &["scope", "graph", "ipc"],
     &["__private"],
 ];
 

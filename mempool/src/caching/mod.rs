@@ -1042,6 +1042,17 @@ impl DeviceAllocator {
         Ok(())
     }
 
+    /// The segment `block` lies in, `(address, size)`, if it came whole from the backend (not
+    /// from a pool's own allocator, not an expandable segment's mapping): what CUDA IPC can
+    /// export (`cuIpcGetMemHandle` takes a `cuMemAlloc` allocation's base).
+    pub(crate) fn backend_segment_of(&self, block: BlockIdx) -> Option<(u64, usize)> {
+        let st = self.lock();
+        let b = st.block(block);
+        let s = st.seg(b.seg);
+        let whole = st.pools[b.pool.get()].spec.raw.is_none() && s.res.is_none();
+        whole.then_some((s.addr, s.size))
+    }
+
     pub(crate) fn stream_keep(&self, block: BlockIdx) -> Option<Keep> {
         let st = self.lock();
         st.seg(st.block(block).seg).keep.clone()
