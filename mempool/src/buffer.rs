@@ -243,12 +243,11 @@ impl<T> Buffer<T, Cuda> {
 }
 
 impl<T> Buffer<T, Cuda> {
-    /// For CUDA IPC: the allocator's backend, and the `cuMemAlloc` segment (address, size) the
-    /// buffer lies in, if it lies in one (`None`: an empty buffer, a pool's own memory, an
-    /// expandable segment).
-    pub(crate) fn ipc_segment(&self) -> (&crate::backend::cuda::CudaBackend, Option<(u64, usize)>) {
-        let seg = self.block.and_then(|a| self.shared.core.backend_segment_of(a.block));
-        (self.shared.ext.backend(), seg)
+    /// For CUDA IPC: the allocator's backend, and where the buffer's memory comes from (`None`:
+    /// an empty buffer).
+    pub(crate) fn ipc_source(&self) -> (&crate::backend::cuda::CudaBackend, Option<crate::caching::ExportSource>) {
+        let src = self.block.map(|a| self.shared.core.export_source(a.block));
+        (self.shared.ext.backend(), src)
     }
 }
 

@@ -35,12 +35,23 @@
 //! until the producer exits, as with PyTorch's reference-counting files; the files of producers
 //! that are gone are removed by the next export on the machine.
 //!
-//! **What exports.** Buffers of the default pools and of pools without their own segment
-//! source, in `cuMemAlloc` segments: `cuIpcGetMemHandle` maps a whole allocation, so the handle
-//! carries the buffer's offset in its segment. Expandable segments, pinned memory and pools with
-//! a segment source of their own (stream-ordered pools, `ncclMemAlloc`) are refused with an
-//! error that says so. One mapping per segment and context in the importer, however many views
-//! share it (the driver maps an allocation once per context).
+//! **What exports, and how.**
+//! - Buffers in `cuMemAlloc` segments (the default pools, pools without a segment source of
+//!   their own): `cuIpcGetMemHandle` of the segment plus the buffer's offset; plain bytes, so
+//!   [`import`] needs nothing else. One mapping per segment and context in the importer, however
+//!   many views share it (the driver maps an allocation once per context).
+//! - Buffers of a stream-ordered pool made with `StreamOrderedOptions { exportable: true, .. }`:
+//!   the pool's POSIX file descriptor (`cuMemPoolExportToShareableHandle`) and the allocation's
+//!   export data (`cuMemPoolExportPointer`); the importer imports the pool (and sets its
+//!   device's access when it is another GPU) and the pointer.
+//! - Buffers of expandable segments: one POSIX file descriptor per physical allocation under the
+//!   buffer (`cuMemExportToShareableHandle`; at most [`MAX_FDS`]), mapped in order into a
+//!   reservation of the importer with its device's access.
+//!
+//! File descriptors travel over a Unix socket: [`send`] writes the handle and its descriptors
+//! (`SCM_RIGHTS`) as one message, [`receive`] reads it and imports; [`Exported::fds`] and
+//! [`import_with_fds`] serve a transport of your own. Pinned memory and pools whose segment
+//! source has no export (`ncclMemAlloc`, your own) are refused with an error that says so.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -53,46 +64,72 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSli
 
 use crate::backend::cuda::driver_error;
 use crate::buffer::Buffer;
+use crate::caching::ExportSource;
 use crate::error::{Error, Result};
 use crate::kind::Cuda;
 
-const MAGIC: [u8; 8] = *b"MPIPC\x00\x00\x01";
-const LEN: usize = 8 + 16 + 16 + 4 + 8 + 64 + 64 + 8 + 8 + 4;
+const MAGIC: [u8; 8] = *b"MPIPC\x00\x00\x02";
+const FIXED: usize = 8 + 1 + 16 + 16 + 4 + 8 + 64 + 64 + 8 + 8 + 4 + 4;
+/// The most physical allocations one exported buffer of an expandable segment may span (each
+/// travels as a file descriptor).
+pub const MAX_FDS: usize = 64;
 /// The lease counter's "closed for good" bit: no import may take a lease any more.
 const CLOSED: u64 = 1 << 63;
 
+/// How the exported memory is reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Via {
+    /// `cuIpcGetMemHandle` of a `cuMemAlloc` segment: plain bytes.
+    Legacy = 1,
+    /// A stream-ordered pool's file descriptor and the allocation's export data.
+    Pool = 2,
+    /// The file descriptors of an expandable segment's physical allocations.
+    Mapped = 3,
+}
+
 /// What another process needs to open an exported buffer: plain bytes, safe to send anywhere
-/// (opening it checks it). Made by [`Exported::handle`], read by [`import`].
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// (opening it checks it), plus, for stream-ordered pools and expandable segments, file
+/// descriptors that travel over a Unix socket ([`send`] / [`receive`]). Made by
+/// [`Exported::handle`], opened by [`import`] / [`import_with_fds`].
+#[derive(Clone, PartialEq, Eq)]
 pub struct IpcHandle {
+    via: Via,
     boot_id: [u8; 16],
     device_uuid: [u8; 16],
     pid: u32,
     export: u64,
+    /// Legacy: the `CUipcMemHandle`; pool: the `CUmemPoolPtrExportData`.
     mem: [u8; 64],
     event: [u8; 64],
+    /// From the segment's base (legacy, pool) or the first physical allocation's (mapped).
     offset: u64,
     bytes: u64,
     elem_size: u32,
+    /// Mapped: the sizes of the physical allocations, in address order (one descriptor each).
+    maps: Vec<u64>,
 }
 
 impl fmt::Debug for IpcHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IpcHandle")
+            .field("via", &self.via)
             .field("pid", &self.pid)
             .field("export", &self.export)
             .field("offset", &self.offset)
             .field("bytes", &self.bytes)
             .field("elem_size", &self.elem_size)
+            .field("maps", &self.maps)
             .finish_non_exhaustive()
     }
 }
 
 impl IpcHandle {
-    /// The handle as bytes (a fixed layout), for any channel between processes.
+    /// The handle as bytes, for any channel between processes (its file descriptors, if it
+    /// has any, travel separately: [`send`]).
     pub fn to_bytes(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(LEN);
+        let mut v = Vec::with_capacity(FIXED + 8 * self.maps.len());
         v.extend_from_slice(&MAGIC);
+        v.push(self.via as u8);
         v.extend_from_slice(&self.boot_id);
         v.extend_from_slice(&self.device_uuid);
         v.extend_from_slice(&self.pid.to_le_bytes());
@@ -102,16 +139,19 @@ impl IpcHandle {
         v.extend_from_slice(&self.offset.to_le_bytes());
         v.extend_from_slice(&self.bytes.to_le_bytes());
         v.extend_from_slice(&self.elem_size.to_le_bytes());
+        v.extend_from_slice(&(self.maps.len() as u32).to_le_bytes());
+        for m in &self.maps {
+            v.extend_from_slice(&m.to_le_bytes());
+        }
         v
     }
 
-    /// Reads [`to_bytes`](Self::to_bytes). Errors: not a handle (wrong length or marker).
+    /// Reads [`to_bytes`](Self::to_bytes). Errors: not a handle (wrong length or marker, an
+    /// unknown kind, too many physical allocations).
     pub fn from_bytes(b: &[u8]) -> Result<IpcHandle> {
-        if b.len() != LEN || b[..8] != MAGIC {
-            return Err(Error::backend(
-                "reading an IPC handle",
-                format!("not a mempool IPC handle ({} bytes; a handle is {LEN}, from IpcHandle::to_bytes)", b.len()),
-            ));
+        let bad = |why: String| Error::backend("reading an IPC handle", format!("not a mempool IPC handle: {why}"));
+        if b.len() < FIXED || b[..8] != MAGIC {
+            return Err(bad(format!("{} bytes without the marker (a handle is IpcHandle::to_bytes)", b.len())));
         }
         let mut at = 8;
         let mut take = |n: usize| {
@@ -119,18 +159,31 @@ impl IpcHandle {
             at += n;
             s
         };
+        let via = match take(1)[0] {
+            1 => Via::Legacy,
+            2 => Via::Pool,
+            3 => Via::Mapped,
+            k => return Err(bad(format!("unknown kind {k}"))),
+        };
         let arr16 = |s: &[u8]| <[u8; 16]>::try_from(s).unwrap_or_default();
         let arr64 = |s: &[u8]| <[u8; 64]>::try_from(s).unwrap_or([0; 64]);
+        let u32le = |s: &[u8]| u32::from_le_bytes(s.try_into().unwrap_or_default());
+        let u64le = |s: &[u8]| u64::from_le_bytes(s.try_into().unwrap_or_default());
         let boot_id = arr16(take(16));
         let device_uuid = arr16(take(16));
-        let pid = u32::from_le_bytes(take(4).try_into().unwrap_or_default());
-        let export = u64::from_le_bytes(take(8).try_into().unwrap_or_default());
+        let pid = u32le(take(4));
+        let export = u64le(take(8));
         let mem = arr64(take(64));
         let event = arr64(take(64));
-        let offset = u64::from_le_bytes(take(8).try_into().unwrap_or_default());
-        let bytes = u64::from_le_bytes(take(8).try_into().unwrap_or_default());
-        let elem_size = u32::from_le_bytes(take(4).try_into().unwrap_or_default());
-        Ok(IpcHandle { boot_id, device_uuid, pid, export, mem, event, offset, bytes, elem_size })
+        let offset = u64le(take(8));
+        let bytes = u64le(take(8));
+        let elem_size = u32le(take(4));
+        let n = u32le(take(4)) as usize;
+        if n > MAX_FDS || b.len() != FIXED + 8 * n || (via == Via::Mapped) != (n > 0) {
+            return Err(bad(format!("{n} physical allocations in {} bytes", b.len())));
+        }
+        let maps = (0..n).map(|_| u64le(take(8))).collect();
+        Ok(IpcHandle { via, boot_id, device_uuid, pid, export, mem, event, offset, bytes, elem_size, maps })
     }
 
     /// The exported buffer's size in bytes.
@@ -143,10 +196,19 @@ impl IpcHandle {
         self.pid
     }
 
-    /// The buffer's offset in the allocation the handle maps (a buffer of the caching allocator
+    /// The buffer's offset in the memory the handle maps (a buffer of the caching allocator
     /// usually lies inside a larger segment).
     pub fn offset(&self) -> u64 {
         self.offset
+    }
+
+    /// How many file descriptors go with the handle (0: the bytes are enough, [`import`]).
+    pub fn num_fds(&self) -> usize {
+        match self.via {
+            Via::Legacy => 0,
+            Via::Pool => 1,
+            Via::Mapped => self.maps.len(),
+        }
     }
 }
 
@@ -274,6 +336,8 @@ struct Held<T> {
     lease: Lease,
     path: std::path::PathBuf,
     event: Mutex<IpcEvent>,
+    /// The file descriptors importers need (a pool's, or the physical allocations').
+    fds: Vec<std::os::fd::OwnedFd>,
 }
 
 impl<T: Send + 'static> fmt::Debug for Exported<T> {
@@ -328,32 +392,86 @@ impl<T> Drop for Held<T> {
 static NEXT_EXPORT: AtomicU64 = AtomicU64::new(1);
 
 impl<T: Send + 'static> Exported<T> {
-    /// Exports `buffer` for other processes. Errors: memory CUDA IPC cannot export (see the
-    /// [module](self)), a failed driver call, no `/dev/shm`. On error the buffer is dropped as
-    /// usual (freed into its cache).
+    /// Exports `buffer` for other processes. Errors: memory that does not export (pinned host
+    /// memory, a pool whose segment source has no export, an expandable buffer spanning more
+    /// than [`MAX_FDS`] physical allocations or made without exportable handles), a failed
+    /// driver call, no `/dev/shm`. On error the buffer is dropped as usual (freed into its cache).
     pub fn new(buffer: Buffer<T, Cuda>) -> Result<Exported<T>> {
+        let op = "exporting a buffer";
         reclaim();
         sweep_dead_exporters();
-        let (backend, seg) = buffer.ipc_segment();
+        let (backend, src) = buffer.ipc_source();
         let ctx = backend.context().clone();
         if backend.is_pinned() {
-            return Err(Error::backend("exporting a buffer", "pinned host memory cannot be exported through CUDA IPC"));
+            return Err(Error::backend(op, "pinned host memory cannot be exported through CUDA IPC"));
         }
-        let Some((seg_addr, _)) = seg else {
-            let what = if buffer.num_bytes() == 0 {
-                "an empty buffer has no memory to export"
-            } else {
-                "only buffers in cuMemAlloc segments export through CUDA IPC (not expandable segments, nor pools with \
-                 their own segment source such as stream-ordered or ncclMemAlloc pools)"
-            };
-            return Err(Error::backend("exporting a buffer", what));
+        let Some(src) = src else {
+            return Err(Error::backend(op, "an empty buffer has no memory to export"));
         };
         ctx.bind_to_thread().map_err(|e| driver_error("binding the device", e))?;
-        let mut mem = sys::CUipcMemHandle { reserved: [0; 64] };
-        // SAFETY: an out-parameter; `seg_addr` is the base of a live `cuMemAlloc` allocation
-        // (the buffer's segment, held by the buffer); the context is current.
-        check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut mem, seg_addr) })?;
-        let mut uuid: sys::CUuuid = sys::CUuuid { bytes: [0; 16] };
+        let ptr = buffer.device_ptr_raw();
+        let mut mem = [0u8; 64];
+        let mut fds = Vec::new();
+        let mut maps = Vec::new();
+        let (via, offset) = match src {
+            ExportSource::Segment(base) => {
+                let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+                // SAFETY: an out-parameter; `base` is the base of a live `cuMemAlloc` allocation
+                // (the buffer's segment, held by the buffer); the context is current.
+                check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut h, base) })?;
+                mem = h.reserved.map(|b| b as u8);
+                (Via::Legacy, ptr - base)
+            }
+            ExportSource::Pool(raw, base) => {
+                let Some(r) = raw.ipc_export(base) else {
+                    return Err(Error::backend(
+                        op,
+                        format!(
+                            "the pool's segment source `{}` does not export (a StreamOrderedAllocator exports when made \
+                             with StreamOrderedOptions {{ exportable: true, .. }})",
+                            raw.name()
+                        ),
+                    ));
+                };
+                let (fd, data) = r.map_err(|e| e.into_error("exporting the pool's memory"))?;
+                fds.push(fd);
+                mem = data;
+                (Via::Pool, ptr - base)
+            }
+            ExportSource::Mapped(runs) => {
+                if runs.len() > MAX_FDS {
+                    return Err(Error::backend(
+                        op,
+                        format!("the buffer spans {} physical allocations (at most {MAX_FDS} export)", runs.len()),
+                    ));
+                }
+                let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+                for &(_, size, handle) in &runs {
+                    let mut fd: std::ffi::c_int = -1;
+                    // SAFETY: `handle` is a live physical allocation mapped under the buffer (the
+                    // block is held, so it stays mapped); the out-parameter is an `int`, as that
+                    // handle type writes.
+                    let r = unsafe {
+                        sys::cuMemExportToShareableHandle((&mut fd as *mut std::ffi::c_int).cast(), handle, posix, 0)
+                    };
+                    if r != CUresult::CUDA_SUCCESS {
+                        return Err(Error::with_cause(
+                            op,
+                            format!(
+                                "the expandable segment's memory was made without exportable (POSIX file descriptor) \
+                                 handles, or the driver refused ({r:?})"
+                            ),
+                            cudarc::driver::DriverError(r),
+                        ));
+                    }
+                    // SAFETY: the driver just opened `fd` for us; nothing else owns it.
+                    fds.push(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+                    maps.push(size as u64);
+                }
+                (Via::Mapped, ptr - runs[0].0)
+            }
+        };
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
         // SAFETY: out-parameter and the context's device.
         check("cuDeviceGetUuid", unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, ctx.cu_device()) })?;
         let mut event: sys::CUevent = std::ptr::null_mut();
@@ -382,19 +500,27 @@ impl<T: Send + 'static> Exported<T> {
                 return Err(io_err("mapping the export's lease file", &path, e));
             }
         };
-        let offset = buffer.device_ptr_raw() - seg_addr;
         let base = IpcHandle {
+            via,
             boot_id: boot_id(),
             device_uuid: uuid.bytes.map(|b| b as u8),
             pid,
             export,
-            mem: mem.reserved.map(|b| b as u8),
+            mem,
             event: ev.reserved.map(|b| b as u8),
             offset,
             bytes: buffer.num_bytes() as u64,
             elem_size: std::mem::size_of::<T>() as u32,
+            maps,
         };
-        Ok(Exported { inner: Some(Held { buffer, lease, path, event: Mutex::new(event) }), base })
+        Ok(Exported { inner: Some(Held { buffer, lease, path, event: Mutex::new(event), fds }), base })
+    }
+
+    /// The file descriptors that go with [`handle`](Self::handle) ([`IpcHandle::num_fds`]), for
+    /// a transport of your own ([`send`] is one).
+    pub fn fds(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.held().fds.iter().map(|f| f.as_fd()).collect()
     }
 
     /// A handle for another process, after an event recorded now on the buffer's stream: an
@@ -406,7 +532,7 @@ impl<T: Send + 'static> Exported<T> {
         ev.ctx.bind_to_thread().map_err(|e| driver_error("binding the device", e))?;
         // SAFETY: a live event of this context and a live stream of it (the buffer holds it).
         check("cuEventRecord", unsafe { sys::cuEventRecord(ev.event, stream.cu_stream()) })?;
-        Ok(self.base)
+        Ok(self.base.clone())
     }
 
     /// The exported buffer (the producer may keep using it; ordering its later writes with the
@@ -481,18 +607,34 @@ fn unmap(key: &MapKey) {
     }
 }
 
+/// What an import holds open.
+enum Opened {
+    /// A legacy mapping, shared per context (closed with its last view).
+    Legacy(MapKey),
+    /// An imported stream-ordered pool and the pointer imported from it.
+    Pool { pool: sys::CUmemoryPool, base: u64 },
+    /// Imported physical allocations mapped into a reservation of this process.
+    Mapped { base: u64, span: usize, handles: Vec<sys::CUmemGenericAllocationHandle> },
+}
+
 /// A view of a buffer exported by another process, on a stream of this one: cudarc's copies
 /// and kernels take it (`DeviceSlice`, `DevicePtr`, `DevicePtrMut`). Dropping it waits for its
-/// stream's work, closes the mapping (once no view of the segment is left in this context) and
-/// gives the exporter its lease back.
+/// stream's work, lets go of what it opened (a legacy mapping once no view of the segment is
+/// left in this context) and gives the exporter its lease back.
 pub struct Imported<T> {
     stream: Arc<CudaStream>,
     ptr: u64,
     len: usize,
-    key: MapKey,
+    opened: Opened,
     lease: Lease,
     _elem: PhantomData<T>,
 }
+
+// SAFETY: the view owns device-side resources (driver handles usable from any thread with the
+// context bound) and a shared-memory counter touched atomically; no `T` lives in it.
+unsafe impl<T> Send for Imported<T> {}
+// SAFETY: `&Imported` only reads its fields and hands out the device address.
+unsafe impl<T> Sync for Imported<T> {}
 
 impl<T> fmt::Debug for Imported<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -502,10 +644,22 @@ impl<T> fmt::Debug for Imported<T> {
 
 /// Opens a buffer another process exported, on `stream` (its context's device: the exporter's
 /// GPU or a peer that can reach it), after the exporter's work queued before the handle was
-/// made. Errors, with nothing mapped and no lease taken: a handle of another machine (or from
-/// before a reboot), of this very process, of an export that is gone (stale), a size that is
-/// not a whole number of `T`, a driver refusal (a device that cannot reach the memory).
+/// made. For handles with file descriptors (stream-ordered pools, expandable segments) use
+/// [`import_with_fds`] or [`receive`]. Errors, with nothing mapped and no lease taken: a handle
+/// of another machine (or from before a reboot), of this very process, of an export that is
+/// gone (stale), a size that is not a whole number of `T`, a driver refusal (a device that
+/// cannot reach the memory).
 pub fn import<T: crate::AnyBitPattern>(handle: &IpcHandle, stream: &Arc<CudaStream>) -> Result<Imported<T>> {
+    import_with_fds(handle, Vec::new(), stream)
+}
+
+/// [`import`] of a handle that comes with file descriptors ([`IpcHandle::num_fds`]), in the
+/// order [`Exported::fds`] gave them; they are consumed (closed once imported).
+pub fn import_with_fds<T: crate::AnyBitPattern>(
+    handle: &IpcHandle,
+    fds: Vec<std::os::fd::OwnedFd>,
+    stream: &Arc<CudaStream>,
+) -> Result<Imported<T>> {
     let op = "importing a buffer";
     if handle.boot_id != boot_id() {
         return Err(Error::backend(op, "the handle was made on another machine, or before this machine restarted"));
@@ -513,12 +667,25 @@ pub fn import<T: crate::AnyBitPattern>(handle: &IpcHandle, stream: &Arc<CudaStre
     if handle.pid == std::process::id() {
         return Err(Error::backend(op, "the handle was made by this process: use the exported buffer itself"));
     }
+    if fds.len() != handle.num_fds() {
+        return Err(Error::backend(
+            op,
+            format!(
+                "the handle needs {} file descriptor(s), {} given (send them with ipc::send, receive with ipc::receive)",
+                handle.num_fds(),
+                fds.len()
+            ),
+        ));
+    }
     let size = std::mem::size_of::<T>();
     if size == 0 || handle.bytes % size as u64 != 0 {
         return Err(Error::backend(
             op,
             format!("{} bytes are not a whole number of {size}-byte elements", handle.bytes),
         ));
+    }
+    if handle.via == Via::Mapped && handle.offset + handle.bytes > handle.maps.iter().sum::<u64>() {
+        return Err(Error::backend(op, "the buffer does not lie within the physical allocations the handle names"));
     }
     let path = lease_path(handle.pid, handle.export);
     let stale = |why: &str| {
@@ -543,30 +710,13 @@ pub fn import<T: crate::AnyBitPattern>(handle: &IpcHandle, stream: &Arc<CudaStre
     });
     let ctx = stream.context().clone();
     ctx.bind_to_thread().map_err(|e| driver_error("binding the device", e))?;
-    let key: MapKey = (ctx.cu_ctx() as usize, handle.mem);
-    let base = {
-        let mut m = opened().lock().unwrap_or_else(|p| p.into_inner());
-        match m.get_mut(&key) {
-            Some(e) => {
-                e.views += 1;
-                e.base
-            }
-            None => {
-                let mut mh: sys::CUipcMemHandle = sys::CUipcMemHandle { reserved: [0; 64] };
-                for (d, s) in mh.reserved.iter_mut().zip(handle.mem) {
-                    *d = s as _;
-                }
-                let mut base = 0;
-                let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
-                // SAFETY: out-parameter; the handle's bytes are checked by the driver, which
-                // refuses what it did not make; the context is current.
-                check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, mh, flags) })?;
-                m.insert(key, Mapping { ctx: ctx.clone(), base, views: 1 });
-                base
-            }
-        }
+    let opened = match handle.via {
+        Via::Legacy => open_legacy(handle, &ctx)?,
+        Via::Pool => open_pool(handle, fds, &ctx)?,
+        Via::Mapped => open_mapped(handle, fds, &ctx)?,
     };
-    let mapped = scopeguard::guard((), |()| unmap(&key));
+    // From here, a failure closes what was opened.
+    let opened = scopeguard::guard(opened, close);
     let mut eh: sys::CUipcEventHandle = sys::CUipcEventHandle { reserved: [0; 64] };
     for (d, s) in eh.reserved.iter_mut().zip(handle.event) {
         *d = s as _;
@@ -580,15 +730,187 @@ pub fn import<T: crate::AnyBitPattern>(handle: &IpcHandle, stream: &Arc<CudaStre
     // SAFETY: the opened event, destroyed once (the wait keeps what it needs).
     let _ = unsafe { sys::cuEventDestroy_v2(ev) };
     waited?;
-    scopeguard::ScopeGuard::into_inner(mapped);
+    let opened = scopeguard::ScopeGuard::into_inner(opened);
+    let base = match &opened {
+        Opened::Legacy(key) => opened_base(key),
+        Opened::Pool { base, .. } | Opened::Mapped { base, .. } => *base,
+    };
     Ok(Imported {
         stream: stream.clone(),
         ptr: base + handle.offset,
         len: (handle.bytes / size as u64) as usize,
-        key,
+        opened,
         lease: scopeguard::ScopeGuard::into_inner(lease),
         _elem: PhantomData,
     })
+}
+
+fn opened_base(key: &MapKey) -> u64 {
+    opened().lock().unwrap_or_else(|p| p.into_inner()).get(key).map_or(0, |m| m.base)
+}
+
+/// Maps a legacy handle's segment in `ctx` (once per context; the mapping is shared).
+fn open_legacy(handle: &IpcHandle, ctx: &Arc<CudaContext>) -> Result<Opened> {
+    let key: MapKey = (ctx.cu_ctx() as usize, handle.mem);
+    let mut m = opened().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(e) = m.get_mut(&key) {
+        e.views += 1;
+        return Ok(Opened::Legacy(key));
+    }
+    let mut mh = sys::CUipcMemHandle { reserved: [0; 64] };
+    for (d, s) in mh.reserved.iter_mut().zip(handle.mem) {
+        *d = s as _;
+    }
+    let mut base = 0;
+    let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+    // SAFETY: out-parameter; the handle's bytes are checked by the driver, which refuses what
+    // it did not make; the context is current.
+    check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut base, mh, flags) })?;
+    m.insert(key, Mapping { ctx: ctx.clone(), base, views: 1 });
+    Ok(Opened::Legacy(key))
+}
+
+fn device_of(uuid: &[u8; 16]) -> Option<usize> {
+    let n = crate::backend::cuda::device_count().ok()?;
+    (0..n).find(|&d| {
+        let mut dev = 0;
+        let mut u = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: out-parameters of two plain queries.
+        let ok = unsafe {
+            sys::cuDeviceGet(&mut dev, d as i32) == CUresult::CUDA_SUCCESS
+                && sys::cuDeviceGetUuid_v2(&mut u, dev) == CUresult::CUDA_SUCCESS
+        };
+        ok && u.bytes.map(|b| b as u8) == *uuid
+    })
+}
+
+fn access_desc(device: usize) -> sys::CUmemAccessDesc {
+    // SAFETY: a plain C struct of integers; all zeros is valid.
+    let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+    d.location = crate::backend::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device as i32);
+    d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    d
+}
+
+/// Imports a stream-ordered pool from its descriptor and the allocation from its export data.
+fn open_pool(handle: &IpcHandle, fds: Vec<std::os::fd::OwnedFd>, ctx: &Arc<CudaContext>) -> Result<Opened> {
+    use std::os::fd::AsRawFd;
+    let fd = &fds[0];
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    // SAFETY: out-parameter; a POSIX descriptor handle is passed as the descriptor's value in
+    // the pointer argument, as the driver documents; the driver checks what it names.
+    check("cuMemPoolImportFromShareableHandle", unsafe {
+        sys::cuMemPoolImportFromShareableHandle(&mut pool, fd.as_raw_fd() as usize as *mut std::ffi::c_void, posix, 0)
+    })?;
+    let destroy = scopeguard::guard(pool, |p| {
+        // SAFETY: the pool imported above, given back once on this failure path.
+        let _ = unsafe { sys::cuMemPoolDestroy(p) };
+    });
+    if device_of(&handle.device_uuid) != Some(ctx.ordinal()) {
+        let d = access_desc(ctx.ordinal());
+        // SAFETY: a live imported pool and one valid descriptor.
+        check("cuMemPoolSetAccess", unsafe { sys::cuMemPoolSetAccess(pool, &d, 1) })?;
+    }
+    let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+    data.reserved.copy_from_slice(&handle.mem);
+    let mut base = 0;
+    // SAFETY: out-parameter, the imported pool and the exporter's data for one of its
+    // allocations (checked by the driver).
+    check("cuMemPoolImportPointer", unsafe { sys::cuMemPoolImportPointer(&mut base, pool, &mut data) })?;
+    Ok(Opened::Pool { pool: scopeguard::ScopeGuard::into_inner(destroy), base })
+}
+
+/// Imports the physical allocations and maps them, in order, into a reservation of this
+/// process, readable and writable by `ctx`'s device.
+fn open_mapped(handle: &IpcHandle, fds: Vec<std::os::fd::OwnedFd>, ctx: &Arc<CudaContext>) -> Result<Opened> {
+    use std::os::fd::AsRawFd;
+    let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    let mut handles = Vec::with_capacity(fds.len());
+    let release = |hs: Vec<sys::CUmemGenericAllocationHandle>| {
+        for h in hs {
+            // SAFETY: handles imported here, released once on a failure path.
+            let _ = unsafe { sys::cuMemRelease(h) };
+        }
+    };
+    for fd in &fds {
+        let mut h = 0;
+        // SAFETY: out-parameter; the descriptor's value in the pointer argument, as documented.
+        let r = unsafe {
+            sys::cuMemImportFromShareableHandle(&mut h, fd.as_raw_fd() as usize as *mut std::ffi::c_void, posix)
+        };
+        if let Err(e) = check("cuMemImportFromShareableHandle", r) {
+            release(handles);
+            return Err(e);
+        }
+        handles.push(h);
+    }
+    let span: usize = handle.maps.iter().sum::<u64>() as usize;
+    let mut base = 0;
+    // SAFETY: out-parameter; a fresh range of `span` bytes (a multiple of the granularity: the
+    // sizes of physical allocations are).
+    if let Err(e) = check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut base, span, 0, 0, 0) }) {
+        release(handles);
+        return Err(e);
+    }
+    let mut at = 0u64;
+    let mut mapped = 0;
+    let mut failed = None;
+    for (&h, &size) in handles.iter().zip(&handle.maps) {
+        // SAFETY: an unmapped part of the reservation just made, and a handle of `size` bytes
+        // (the driver checks the size against the allocation).
+        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(base + at, size as usize, 0, h, 0) }) {
+            failed = Some(e);
+            break;
+        }
+        mapped += 1;
+        at += size;
+    }
+    if failed.is_none() {
+        let d = access_desc(ctx.ordinal());
+        // SAFETY: the whole reservation is mapped; one valid descriptor.
+        failed = check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(base, span, &d, 1) }).err();
+    }
+    if let Some(e) = failed {
+        let mut at = 0u64;
+        for &size in handle.maps.iter().take(mapped) {
+            // SAFETY: the mappings made above, undone once.
+            let _ = unsafe { sys::cuMemUnmap(base + at, size as usize) };
+            at += size;
+        }
+        // SAFETY: the reservation made above, now empty, given back once.
+        let _ = unsafe { sys::cuMemAddressFree(base, span) };
+        release(handles);
+        return Err(e);
+    }
+    Ok(Opened::Mapped { base, span, handles })
+}
+
+/// Lets go of what an import opened (its stream's work is done).
+fn close(o: Opened) {
+    match o {
+        Opened::Legacy(key) => unmap(&key),
+        Opened::Pool { pool, base } => {
+            // SAFETY: the pointer imported from `pool`, freed once (the importer must free it
+            // before the exporter does: the lease keeps the exporter's allocation), then the
+            // imported pool, given back once.
+            unsafe {
+                let _ = sys::cuMemFree_v2(base);
+                let _ = sys::cuMemPoolDestroy(pool);
+            }
+        }
+        Opened::Mapped { base, span, handles } => {
+            // SAFETY: the reservation this import mapped whole, unmapped and given back once,
+            // then its imported handles released.
+            unsafe {
+                let _ = sys::cuMemUnmap(base, span);
+                let _ = sys::cuMemAddressFree(base, span);
+                for h in handles {
+                    let _ = sys::cuMemRelease(h);
+                }
+            }
+        }
+    }
 }
 
 impl<T> Imported<T> {
@@ -621,7 +943,9 @@ impl<T> Drop for Imported<T> {
         // The work this process queued on the memory is done before the mapping closes and the
         // exporter may reuse the block.
         let _ = self.stream.synchronize();
-        unmap(&self.key);
+        if self.stream.context().bind_to_thread().is_ok() {
+            close(std::mem::replace(&mut self.opened, Opened::Legacy((0, [0; 64]))));
+        }
         self.lease.counter().fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -646,4 +970,144 @@ impl<T> DevicePtrMut<T> for Imported<T> {
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
         (self.ptr, self.order(stream))
     }
+}
+
+/// Sends an export's handle ([`Exported::handle`]: an event after the work queued so far) and
+/// its file descriptors over a Unix stream socket (`SCM_RIGHTS`), as one message [`receive`]
+/// reads.
+pub fn send<T: Send + 'static>(sock: &std::os::unix::net::UnixStream, exported: &Exported<T>) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let bytes = exported.handle()?.to_bytes();
+    let mut msg = (bytes.len() as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(&bytes);
+    let fds: Vec<std::ffi::c_int> = exported.fds().iter().map(|f| f.as_raw_fd()).collect();
+    send_with_fds(sock, &msg, &fds).map_err(|e| Error::with_cause("sending an IPC handle", e.to_string(), e))
+}
+
+/// Writes `data` with `fds` attached to its first byte.
+fn send_with_fds(sock: &std::os::unix::net::UnixStream, data: &[u8], fds: &[std::ffi::c_int]) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let fd_bytes = std::mem::size_of_val(fds);
+    // SAFETY: pure arithmetic on a length.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+    // u64 words: the control buffer must be aligned for `cmsghdr`.
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut std::ffi::c_void, iov_len: data.len() };
+    // SAFETY: a plain C struct; all zeros is an empty message.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: `msg` has a control buffer of `space` bytes, room for one header and `fds`;
+        // the header and its data are written inside it.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as _;
+            std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), fd_bytes);
+        }
+    }
+    let n = loop {
+        // SAFETY: `msg` points at live buffers (`iov`, `data`, `control`) for the call.
+        let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    };
+    // The descriptors went with the first bytes; the rest is plain data.
+    (&mut &*sock).write_all(&data[n..])
+}
+
+/// Reads one message of [`send`] from a Unix stream socket: the handle and its descriptors
+/// (received close-on-exec). Errors: the peer closed the socket, a message that is not a
+/// handle, descriptors cut short (more than [`MAX_FDS`]).
+pub fn receive_handle(sock: &std::os::unix::net::UnixStream) -> Result<(IpcHandle, Vec<std::os::fd::OwnedFd>)> {
+    use std::io::Read;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let op = "receiving an IPC handle";
+    let io = |e: std::io::Error| Error::with_cause(op, e.to_string(), e);
+    let max = 4 + FIXED + 8 * MAX_FDS;
+    let mut buf = vec![0u8; max];
+    let fd_bytes = MAX_FDS * std::mem::size_of::<std::ffi::c_int>();
+    // SAFETY: pure arithmetic on a length.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: a plain C struct; all zeros is an empty message.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    let n = loop {
+        // SAFETY: `msg` points at live buffers of the sizes it states, for the call.
+        let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if n >= 0 {
+            break n as usize;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(io(e));
+        }
+    };
+    // Every descriptor received is owned at once (closed on any error below).
+    let mut fds = Vec::new();
+    // SAFETY: walks the control messages the kernel wrote into `control` (`msg` says how many
+    // bytes); each `SCM_RIGHTS` payload is an array of descriptors now open in this process.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                let data = libc::CMSG_DATA(c);
+                for i in 0..len / std::mem::size_of::<std::ffi::c_int>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<std::ffi::c_int>().add(i));
+                    fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    if n == 0 {
+        return Err(Error::backend(op, "the peer closed the socket"));
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        return Err(Error::backend(op, format!("more than {MAX_FDS} file descriptors: cut short")));
+    }
+    let mut have = n;
+    while have < 4 {
+        let k = (&mut &*sock).read(&mut buf[have..4]).map_err(io)?;
+        if k == 0 {
+            return Err(Error::backend(op, "the peer closed the socket mid-message"));
+        }
+        have += k;
+    }
+    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    if len > max - 4 {
+        return Err(Error::backend(op, format!("a message of {len} bytes is not a handle")));
+    }
+    if have < 4 + len {
+        (&mut &*sock).read_exact(&mut buf[have..4 + len]).map_err(io)?;
+    } else if have > 4 + len {
+        return Err(Error::backend(op, "more bytes than one handle: send one handle per message"));
+    }
+    Ok((IpcHandle::from_bytes(&buf[4..4 + len])?, fds))
+}
+
+/// [`receive_handle`] and [`import_with_fds`]: the buffer another process [`send`]s, opened on
+/// `stream`.
+pub fn receive<T: crate::AnyBitPattern>(
+    sock: &std::os::unix::net::UnixStream,
+    stream: &Arc<CudaStream>,
+) -> Result<Imported<T>> {
+    let (handle, fds) = receive_handle(sock)?;
+    import_with_fds(&handle, fds, stream)
 }

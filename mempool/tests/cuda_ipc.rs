@@ -6,6 +6,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
+use mempool::backend::stream_ordered::{StreamOrderedAllocator, StreamOrderedOptions};
 use mempool::ipc::{self, Exported, IpcHandle};
 use mempool::{Allocator, Error, MemPool, PoolOptions};
 
@@ -108,7 +109,7 @@ fn a_block_with_a_lease_out_is_not_reused() {
     const N: usize = 3 << 20; // a large block of its own
     if role().is_some() {
         let stream = stream_on(0);
-        let h = handles()[0];
+        let h = handles().remove(0);
         let view = ipc::import::<u8>(&h, &stream).unwrap();
         println!("holding");
         std::io::stdout().flush().unwrap();
@@ -156,12 +157,13 @@ fn bad_handles_and_unexportable_memory_are_refused() {
     const NAME: &str = "bad_handles_and_unexportable_memory_are_refused";
     if let Some(role) = role() {
         let stream = stream_on(0);
-        let h = handles()[0];
+        let h = handles().remove(0);
         let e = ipc::import::<f32>(&h, &stream).unwrap_err();
         match role.as_str() {
             "stale" => assert!(e.to_string().contains("the export is gone"), "{e}"),
             "foreign" => assert!(e.to_string().contains("another machine"), "{e}"),
             "wrong-size" => assert!(e.to_string().contains("whole number"), "{e}"),
+            "no-fds" => assert!(e.to_string().contains("file descriptor"), "{e}"),
             r => panic!("{r}"),
         }
         return;
@@ -176,7 +178,7 @@ fn bad_handles_and_unexportable_memory_are_refused() {
     // Another machine: the boot id differs.
     let e = Exported::new(a.alloc::<f32>(1024).unwrap()).unwrap();
     let mut b = e.handle().unwrap().to_bytes();
-    b[8] ^= 0xff;
+    b[9] ^= 0xff; // the boot id (after the marker and the kind)
     finish(child(NAME, "foreign", &[IpcHandle::from_bytes(&b).unwrap()]));
     // Not a whole number of elements.
     let odd = Exported::new(a.alloc::<u8>(1023).unwrap()).unwrap();
@@ -191,13 +193,85 @@ fn bad_handles_and_unexportable_memory_are_refused() {
     let pinned = Allocator::pinned(0).unwrap();
     let err = Exported::new(pinned.alloc::<f32>(16).unwrap()).unwrap_err();
     assert!(err.to_string().contains("pinned"), "{err}");
-    let expandable = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
-    let err = Exported::new(expandable.alloc::<f32>(16).unwrap()).unwrap_err();
-    assert!(err.to_string().contains("cuMemAlloc segments"), "{err}");
     let so = mempool::backend::stream_ordered::StreamOrderedAllocator::new(0, Default::default()).unwrap();
     let pool = MemPool::on(&a, PoolOptions::new().shared_allocator(Arc::new(so))).unwrap();
     let err = Exported::new(pool.alloc::<f32>(16).unwrap()).unwrap_err();
-    assert!(err.to_string().contains("cuMemAlloc segments"), "{err}");
+    assert!(err.to_string().contains("does not export") && err.to_string().contains("exportable: true"), "{err}");
+    // A handle that needs descriptors, opened without them.
+    let expandable = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
+    let ex = Exported::new(expandable.alloc::<f32>(16).unwrap()).unwrap();
+    finish(child(NAME, "no-fds", &[ex.handle().unwrap()]));
     let err = Exported::new(a.alloc::<f32>(0).unwrap()).unwrap_err();
     assert!(matches!(err, Error::Backend { .. }) && err.to_string().contains("empty"), "{err}");
+}
+
+fn pattern(n: usize, k: usize, round: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ (k as u32 * 7919 + round as u32)).collect()
+}
+
+/// Buffers of an exportable stream-ordered pool (one descriptor: the pool's) and of an
+/// expandable pool (one descriptor per physical allocation: a buffer inside one, one across
+/// two, one across several) travel over a Unix socket; consumers on GPU 0 and GPU 1 check and
+/// write them, the producer sees the writes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pool_and_expandable_buffers_travel_with_their_descriptors() {
+    const NAME: &str = "pool_and_expandable_buffers_travel_with_their_descriptors";
+    const MIB: usize = 1 << 20;
+    let sizes = [MIB, 4096, 5 * MIB / 2, 5 * MIB, 50 * MIB];
+    if let Some(role) = role() {
+        use std::os::fd::FromRawFd;
+        let device: usize = role.parse().unwrap();
+        let round = device;
+        // SAFETY: the parent made this process's stdin one end of a socket pair, owned here alone.
+        let sock = unsafe { std::os::unix::net::UnixStream::from_raw_fd(0) };
+        let stream = stream_on(device);
+        for (k, &bytes) in sizes.iter().enumerate() {
+            let mut view = ipc::receive::<u32>(&sock, &stream).unwrap();
+            let got = stream.clone_dtoh(&view).unwrap();
+            assert!(got == pattern(bytes / 4, k, round), "buffer {k} on device {device}");
+            stream.memcpy_htod(&pattern(bytes / 4, k, round + 1), &mut view).unwrap();
+        }
+        return;
+    }
+    let a = Allocator::cuda(0).unwrap();
+    let s = a.current_stream();
+    let so = StreamOrderedAllocator::new(0, StreamOrderedOptions { exportable: true, ..Default::default() }).unwrap();
+    let pool = MemPool::on(&a, PoolOptions::new().shared_allocator(Arc::new(so))).unwrap();
+    let expandable = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
+    let mut exported = Vec::new();
+    for (k, &bytes) in sizes.iter().enumerate() {
+        let mut b = if k < 2 { pool.alloc::<u32>(bytes / 4) } else { expandable.alloc::<u32>(bytes / 4) }.unwrap();
+        s.memcpy_htod(&pattern(bytes / 4, k, 0), &mut b).unwrap();
+        exported.push(Exported::new(b).unwrap());
+    }
+    let hs: Vec<IpcHandle> = exported.iter().map(|e| e.handle().unwrap()).collect();
+    assert_eq!((hs[0].num_fds(), hs[1].num_fds()), (1, 1), "the pool's descriptor");
+    assert!(hs[1].offset() > 0, "the second pool buffer lies inside its segment: {:?}", hs[1]);
+    assert!(hs[3].num_fds() >= 2 && hs[4].num_fds() >= 2, "across physical allocations: {hs:?}");
+    let gpus = mempool::device_count().unwrap().min(2);
+    for device in 0..gpus {
+        let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+        let c = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", NAME, "--include-ignored", "--nocapture", "--test-threads=1"])
+            .env("MEMPOOL_IPC_CHILD", device.to_string())
+            .stdin(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        for e in &exported {
+            ipc::send(&mine, e).unwrap();
+        }
+        finish(c);
+        for (k, (e, &bytes)) in exported.iter().zip(&sizes).enumerate() {
+            let got = s.clone_dtoh(e.buffer()).unwrap();
+            assert!(got == pattern(bytes / 4, k, device + 1), "device {device}'s writes to buffer {k}");
+            assert_eq!(e.leases(), 0);
+        }
+    }
+    // A peer that closed the socket: a clear error, not a hang.
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    drop(theirs);
+    let e = ipc::receive::<u32>(&mine, &s).unwrap_err();
+    assert!(e.to_string().contains("closed"), "{e}");
 }

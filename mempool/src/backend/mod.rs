@@ -319,6 +319,14 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
         let _ = backend_kind;
         true
     }
+    /// CUDA IPC ([`crate::ipc`]): the segment `addr` (one `alloc` of this source) in a form
+    /// another process can open: a POSIX file descriptor of the driver pool it came from and
+    /// the pool's export data for the allocation (`cuMemPoolExportToShareableHandle`,
+    /// `cuMemPoolExportPointer`). `None` (the default): this source's memory does not export.
+    fn ipc_export(&self, addr: u64) -> Option<Result<(std::os::fd::OwnedFd, [u8; 64]), BackendError>> {
+        let _ = addr;
+        None
+    }
 }
 
 thread_local! {

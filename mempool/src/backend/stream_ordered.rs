@@ -35,6 +35,9 @@ pub struct StreamOrderedOptions {
     pub reuse_allow_opportunistic: bool,
     /// Reuse memory freed on another stream by inserting dependencies.
     pub reuse_allow_internal_dependencies: bool,
+    /// The pool's memory may be shared with other processes ([`crate::ipc`]): the pool is made
+    /// with POSIX file-descriptor handles (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`).
+    pub exportable: bool,
 }
 
 impl Default for StreamOrderedOptions {
@@ -45,6 +48,7 @@ impl Default for StreamOrderedOptions {
             reuse_follow_event_dependencies: true,
             reuse_allow_opportunistic: true,
             reuse_allow_internal_dependencies: true,
+            exportable: false,
         }
     }
 }
@@ -57,6 +61,8 @@ pub struct StreamOrderedAllocator {
     /// safe function whose stream argument anyone can make up, so it never reaches the driver.
     own: Arc<cudarc::driver::CudaStream>,
     name: String,
+    /// Made with POSIX file-descriptor handles: its memory exports ([`crate::ipc`]).
+    exportable: bool,
 }
 
 // SAFETY: a `CUmemoryPool` is a driver handle usable from any thread; the struct owns it.
@@ -96,6 +102,9 @@ impl StreamOrderedAllocator {
         props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
         props.location = super::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device as i32);
         props.maxSize = options.max_size;
+        if options.exportable {
+            props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        }
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: out-parameter and a valid property struct.
         check("cuMemPoolCreate", unsafe { sys::cuMemPoolCreate(&mut pool, &props) })?;
@@ -107,7 +116,13 @@ impl StreamOrderedAllocator {
                 return Err(Error::caused_by("creating the pool's stream", e));
             }
         };
-        let me = StreamOrderedAllocator { ctx, pool, own, name: format!("cudaMallocAsync pool of device {device}") };
+        let me = StreamOrderedAllocator {
+            ctx,
+            pool,
+            own,
+            name: format!("cudaMallocAsync pool of device {device}"),
+            exportable: options.exportable,
+        };
         me.set_u64(sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, options.release_threshold)?;
         for (attr, on) in [
             (
@@ -244,6 +259,30 @@ unsafe impl RawAllocator for StreamOrderedAllocator {
 
     fn serves(&self, backend_kind: &str) -> bool {
         backend_kind == "cuda"
+    }
+
+    fn ipc_export(&self, addr: u64) -> Option<Result<(std::os::fd::OwnedFd, [u8; 64]), BackendError>> {
+        if !self.exportable {
+            return None;
+        }
+        Some((|| {
+            self.ctx.bind_to_thread().map_err(BackendError::from)?;
+            let mut fd: std::ffi::c_int = -1;
+            let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+            // SAFETY: a live pool made with POSIX file-descriptor handles; the out-parameter is
+            // an `int`, as that handle type writes.
+            let r = unsafe {
+                sys::cuMemPoolExportToShareableHandle((&mut fd as *mut std::ffi::c_int).cast(), self.pool, posix, 0)
+            };
+            r.result().map_err(BackendError::from)?;
+            // SAFETY: the driver just opened `fd` for us; nothing else owns it.
+            let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+            // SAFETY: `addr` is a live allocation of this pool (a segment the caching layer
+            // holds); the out-parameter is the driver's struct.
+            unsafe { sys::cuMemPoolExportPointer(&mut data, addr) }.result().map_err(BackendError::from)?;
+            Ok((fd, data.reserved))
+        })())
     }
 
     unsafe fn free(&self, ptr: u64, _size: usize, _device: usize, stream: StreamId) -> Result<(), BackendError> {

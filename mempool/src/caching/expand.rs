@@ -357,6 +357,15 @@ impl State {
 
     /// The physical allocations `(address, size)` of segment `seg`, in address order (none for a
     /// segment that is not expandable).
+    /// The physical allocations of reservation `res` covering `start..end`: (address, size,
+    /// handle), in address order.
+    pub(crate) fn runs_covering(&self, res: u32, start: u64, end: u64) -> Vec<(u64, usize, u64)> {
+        let runs = &self.res(res).runs;
+        // The run holding `start` (runs tile the mapped part of a segment), then the rest.
+        let first = runs.range(..=start).next_back().map_or(start, |(&a, _)| a);
+        runs.range(first..end).map(|(&a, &(sz, h))| (a, sz, h)).collect()
+    }
+
     pub(crate) fn mappings_of(&self, seg: SegIdx) -> Vec<(u64, usize)> {
         let s = self.seg(seg);
         let Some(res) = s.res else { return Vec::new() };

@@ -117,6 +117,17 @@ pub(crate) struct Request<'a> {
     pub(crate) keep: &'a dyn Fn() -> Option<Keep>,
 }
 
+/// Where a block's memory comes from, for CUDA IPC.
+pub(crate) enum ExportSource {
+    /// A whole backend segment (`cuMemAlloc`) at this address.
+    Segment(u64),
+    /// A segment of a pool's own allocator, at this address.
+    Pool(Arc<dyn crate::backend::RawAllocator>, u64),
+    /// Physical allocations of an expandable segment covering the block: (address, size,
+    /// handle), in address order.
+    Mapped(Vec<(u64, usize, u64)>),
+}
+
 /// A block handed out by [`DeviceAllocator::malloc`], and what its free needs to know.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Allocation {
@@ -1042,15 +1053,18 @@ impl DeviceAllocator {
         Ok(())
     }
 
-    /// The segment `block` lies in, `(address, size)`, if it came whole from the backend (not
-    /// from a pool's own allocator, not an expandable segment's mapping): what CUDA IPC can
-    /// export (`cuIpcGetMemHandle` takes a `cuMemAlloc` allocation's base).
-    pub(crate) fn backend_segment_of(&self, block: BlockIdx) -> Option<(u64, usize)> {
+    /// Where `block`'s memory comes from, for CUDA IPC (`crate::ipc`).
+    pub(crate) fn export_source(&self, block: BlockIdx) -> ExportSource {
         let st = self.lock();
         let b = st.block(block);
         let s = st.seg(b.seg);
-        let whole = st.pools[b.pool.get()].spec.raw.is_none() && s.res.is_none();
-        whole.then_some((s.addr, s.size))
+        if let Some(res) = s.res {
+            return ExportSource::Mapped(st.runs_covering(res, b.addr, b.addr + b.size as u64));
+        }
+        match &st.pools[b.pool.get()].spec.raw {
+            Some(raw) => ExportSource::Pool(raw.clone(), s.addr),
+            None => ExportSource::Segment(s.addr),
+        }
     }
 
     pub(crate) fn stream_keep(&self, block: BlockIdx) -> Option<Keep> {
