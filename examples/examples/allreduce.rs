@@ -69,7 +69,7 @@ impl Sync {
             Sync::Nccl => {
                 let mut x = alloc.alloc_zeros::<f32>(1)?;
                 comm.all_reduce_in_place(&mut x, ReduceOp::Sum, stream)?;
-                stream.synchronize().map_err(mempool_nccl::Error::Cuda)?;
+                stream.synchronize().map_err(mempool_nccl::Error::cuda)?;
             }
         }
         Ok(())

@@ -32,7 +32,7 @@ pub fn nccl_version() -> Result<(u32, u32, u32)> {
 /// The driver's recommended allocation granularity for device memory of `device` (2 MiB on
 /// Hopper): segments are sized and aligned to it, as NCCL's registration and NVLS want.
 pub fn recommended_granularity(ctx: &Arc<CudaContext>) -> Result<usize> {
-    ctx.bind_to_thread().map_err(Error::Cuda)?;
+    ctx.bind_to_thread().map_err(Error::cuda)?;
     // SAFETY: every field of the C struct is an integer, an enum with a zero variant (`INVALID`,
     // `NONE`) or a pointer, so all-zero is a valid value; the fields that matter are set below.
     let mut prop: cu::CUmemAllocationProp = unsafe { std::mem::MaybeUninit::zeroed().assume_init() };
@@ -49,7 +49,7 @@ pub fn recommended_granularity(ctx: &Arc<CudaContext>) -> Result<usize> {
         )
     }
     .result()
-    .map_err(Error::Cuda)?;
+    .map_err(Error::cuda)?;
     Ok(gran.max(512))
 }
 

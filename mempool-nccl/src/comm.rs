@@ -127,7 +127,7 @@ impl Communicator {
             return Err(Error::InvalidRank { rank, world_size });
         }
         let ctx = context(device)?;
-        ctx.bind_to_thread().map_err(Error::Cuda)?;
+        ctx.bind_to_thread().map_err(Error::cuda)?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out pointer; the device's context is current on this thread.
         unsafe { result::comm_init_rank(&mut raw, world_size as i32, id.0, rank as i32) }

@@ -57,8 +57,9 @@ pub enum Error {
     Closed,
     /// From mempool.
     Mempool(mempool::Error),
-    /// From the CUDA driver (also the [`source`](std::error::Error::source)).
-    Cuda(cudarc::driver::DriverError),
+    /// From the CUDA driver: the `cudarc::driver::DriverError` (also the
+    /// [`source`](std::error::Error::source)), shown without calling into the driver.
+    Cuda(mempool::Cause),
 }
 
 /// An NCCL result code other than success, as an error of its own.
@@ -69,6 +70,7 @@ impl fmt::Display for NcclCode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         use cudarc::nccl::sys::ncclResult_t as R;
         let what = match self.0 {
+            R::ncclSuccess => "no error",
             R::ncclUnhandledCudaError => "a call to CUDA failed",
             R::ncclSystemError => "a call to the system failed",
             R::ncclInternalError => "an internal check failed (a bug in NCCL or memory corruption)",
@@ -76,9 +78,9 @@ impl fmt::Display for NcclCode {
             R::ncclInvalidUsage => "NCCL was used the wrong way",
             R::ncclRemoteError => "a remote peer failed or went away",
             R::ncclInProgress => "the operation is still in progress",
-            _ => "an error",
+            _ => "an error NCCL did not name",
         };
-        write!(f, "{:?} ({what})", self.0)
+        f.write_str(what)
     }
 }
 
@@ -92,7 +94,7 @@ impl fmt::Display for Error {
                 "NCCL is not available: libnccl.so.2 could not be loaded; install NCCL (e.g. the nvidia-nccl-cu12/cu13 \
                  wheel or the libnccl2 package) and make sure the dynamic loader finds it (LD_LIBRARY_PATH)"
             ),
-            Error::Nccl { op, code } => write!(f, "{op} failed: {code}"),
+            Error::Nccl { op, code } => write!(f, "{op} failed: {:?}", code.0),
             Error::InvalidRank { rank, world_size } => {
                 write!(f, "rank {rank} is out of range for a world of {world_size} rank(s) (valid: 0..{world_size})")
             }
@@ -111,7 +113,10 @@ impl fmt::Display for Error {
             Error::Window(m) => write!(f, "window registration: {m}"),
             Error::Closed => write!(f, "the communicator was destroyed or aborted"),
             Error::Mempool(e) => e.fmt(f),
-            Error::Cuda(e) => write!(f, "CUDA: {e}"),
+            Error::Cuda(c) => match c.get().downcast_ref::<cudarc::driver::DriverError>() {
+                Some(d) => write!(f, "a CUDA call failed: {:?}", d.0),
+                None => write!(f, "a CUDA call failed"),
+            },
         }
     }
 }
@@ -120,11 +125,18 @@ impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             Error::Nccl { code, .. } => Some(code),
-            Error::Cuda(e) => Some(e),
+            Error::Cuda(c) => Some(c.get()),
             // Displayed as itself, so its source is this error's source.
             Error::Mempool(e) => std::error::Error::source(e),
             _ => None,
         }
+    }
+}
+
+impl Error {
+    /// [`Error::Cuda`] of a driver error.
+    pub fn cuda(e: cudarc::driver::DriverError) -> Error {
+        Error::Cuda(mempool::backend::cuda::driver_cause(e))
     }
 }
 
@@ -153,13 +165,17 @@ mod tests {
         is_shareable::<Error>();
         is_shareable::<NcclCode>();
         let e = nccl("ncclCommRegister", NcclError(ncclResult_t::ncclInvalidArgument));
-        assert_eq!(e.to_string(), "ncclCommRegister failed: ncclInvalidArgument (an invalid value was passed)");
+        assert_eq!(e.to_string(), "ncclCommRegister failed: ncclInvalidArgument");
+        let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+        assert_eq!(chain, "ncclCommRegister failed: ncclInvalidArgument: an invalid value was passed");
         let src = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<NcclCode>());
         assert_eq!(src, Some(&NcclCode(ncclResult_t::ncclInvalidArgument)));
         let d = cudarc::driver::DriverError(cudarc::driver::sys::CUresult::CUDA_ERROR_INVALID_CONTEXT);
-        // (No formatting of `d` here: printing a driver error asks the driver for its words.)
-        let e = Error::Cuda(d);
+        // No driver here: printing it must not ask one (cudarc's own formatting would).
+        let e = Error::Cuda(mempool::backend::cuda::driver_cause(d));
         assert!(std::error::Error::source(&e).and_then(|s| s.downcast_ref()) == Some(&d));
+        assert_eq!(e.to_string(), "a CUDA call failed: CUDA_ERROR_INVALID_CONTEXT");
+        assert!(format!("{e:?}").contains("CUDA_ERROR_INVALID_CONTEXT"));
         // A mempool error is shown as itself: its source is the inner error's source.
         let e = Error::from(mempool::Error::with_cause("segment allocation", "words", d));
         assert!(std::error::Error::source(&e).and_then(|s| s.downcast_ref()) == Some(&d));

@@ -106,7 +106,7 @@ impl CommOps for NcclComm {
     }
 
     fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(Error::Cuda)
+        self.ctx.bind_to_thread().map_err(Error::cuda)
     }
 
     unsafe fn register(&self, addr: u64, size: usize) -> Result<u64, String> {
@@ -161,7 +161,7 @@ impl CommOps for NcclComm {
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.ctx.synchronize().map_err(Error::Cuda)
+        self.ctx.synchronize().map_err(Error::cuda)
     }
 
     fn finalize(&self) -> Result<()> {

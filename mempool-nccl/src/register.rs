@@ -84,10 +84,17 @@ fn with_state<T>(s: &Mutex<RegState>, f: impl FnOnce(&mut RegState) -> T) -> T {
         let told = std::mem::take(&mut st.told);
         drop(st);
         for (what, segment, size, ok) in told {
-            if ok {
-                tracing::debug!(target: "mempool_nccl", segment, size, "{what}");
-            } else {
-                tracing::warn!(target: "mempool_nccl", segment, size, "{what} refused by NCCL");
+            // A subscriber's panic stays here (this may run in a `Drop`, during an unwind); its
+            // payload is forgotten, as a hook's is.
+            let told = std::panic::catch_unwind(|| {
+                if ok {
+                    tracing::debug!(target: "mempool_nccl", segment, size, "{what}");
+                } else {
+                    tracing::warn!(target: "mempool_nccl", segment, size, "{what} refused by NCCL");
+                }
+            });
+            if let Err(p) = told {
+                std::mem::forget(p);
             }
         }
     }

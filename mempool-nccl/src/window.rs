@@ -157,10 +157,10 @@ impl Communicator {
         let alloc = Allocator::cuda(self.device())?;
         let mine = [size as u64, u64::from(local_ok)];
         let mut send = alloc.alloc::<u64>(2)?;
-        stream.memcpy_htod(&mine, &mut send).map_err(Error::Cuda)?;
+        stream.memcpy_htod(&mine, &mut send).map_err(Error::cuda)?;
         let mut all = alloc.alloc::<u64>(2 * self.world_size())?;
         self.all_gather(&send, &mut all, stream)?;
-        let all = stream.clone_dtoh(&all).map_err(Error::Cuda)?;
+        let all = stream.clone_dtoh(&all).map_err(Error::cuda)?;
         if let Some(r) = (0..self.world_size()).find(|&r| all[2 * r + 1] == 0) {
             return Err(Error::Window(format!("rank {r}'s buffer does not meet the window rules")));
         }
@@ -264,19 +264,18 @@ impl<'a, T> Window<'a, T> {
 
     /// Whether the work queued on the buffer so far is done (`false`: gave up waiting).
     fn wait_for_uses(&self, patience: Option<Duration>) -> Result<bool> {
-        let cuda = |e: cudarc::driver::DriverError| Error::Cuda(e);
         let own = DeviceSlice::stream(&*self.buf).clone();
         // A use on the buffer's own stream orders that stream after the buffer's last use on
         // another stream (a collective on a stream of its own, say)...
         drop(self.buf.device_ptr(&own));
         // ...so an event recorded there now completes after every use queued so far.
-        let done = own.record_event(None).map_err(cuda)?;
+        let done = own.record_event(None).map_err(Error::cuda)?;
         let Some(poll) = patience else {
-            done.synchronize().map_err(cuda)?;
+            done.synchronize().map_err(Error::cuda)?;
             return Ok(true);
         };
         loop {
-            if done.try_is_complete().map_err(cuda)? {
+            if done.try_is_complete().map_err(Error::cuda)? {
                 return Ok(true);
             }
             let broken = match self.comm.lock().as_ref() {

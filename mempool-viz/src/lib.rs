@@ -40,7 +40,8 @@ pub enum Error {
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Error::Io { path, error } => write!(f, "{}: {error}", path.display()),
+            // The system's words are the source; the kind says enough on its own.
+            Error::Io { path, error } => write!(f, "{}: {}", path.display(), error.kind()),
             Error::Format(m) => write!(f, "not a memory snapshot: {m}"),
             Error::Draw(m) => write!(f, "drawing the timeline: {m}"),
         }

@@ -333,7 +333,7 @@ impl<K: Kind> Allocator<K> {
             // device by its `unsafe impl`), owned by the buffer, which nothing else references
             // yet; its stream is alive: the buffer's segment holds it.
             unsafe { self.shared.core.backend().zero(b.device_ptr_raw(), b.num_bytes(), b.stream_id()) }
-                .map_err(|e| Error::caused_by("zero fill", e))?;
+                .map_err(|e| e.into_error("zero fill"))?;
         }
         Ok(())
     }

@@ -209,9 +209,7 @@ impl<T: crate::AnyBitPattern> Buffer<T, Cuda> {
                 message: "the buffer's stream is being captured into a graph: its work has not run, and waiting for it would break the capture".into(),
             });
         }
-        DeviceSlice::stream(self)
-            .synchronize()
-            .map_err(|e| crate::Error::with_cause(op, format!("synchronising the buffer's stream: {e}"), e))?;
+        DeviceSlice::stream(self).synchronize().map_err(|e| crate::backend::cuda::driver_error(op, e))?;
         self.shared.core.wait_for_uses(a.block)?;
         Ok(self.ptr as *mut T)
     }

@@ -93,46 +93,63 @@ pub enum Error {
 /// The underlying error behind an [`Error`], shared so that errors stay `Clone`: a driver error
 /// (downcast to `cudarc::driver::DriverError` for its `CUresult`), an I/O error, another
 /// library's error. Two causes are equal when they are the same error, the same driver result,
-/// or print the same.
+/// or print the same. Printing a cause never calls into the driver: a driver error shows the
+/// driver's description taken when it happened (its result's name when there was no driver).
 #[derive(Clone)]
-pub struct Cause(Arc<dyn std::error::Error + Send + Sync + 'static>);
+pub struct Cause {
+    error: Arc<dyn std::error::Error + Send + Sync + 'static>,
+    words: Option<Arc<str>>,
+}
 
 impl Cause {
     /// Wraps an error.
     pub fn new(e: impl std::error::Error + Send + Sync + 'static) -> Cause {
-        Cause(Arc::new(e))
+        Cause { error: Arc::new(e), words: None }
+    }
+
+    /// Wraps an error, shown with these words.
+    pub(crate) fn with_words(e: impl std::error::Error + Send + Sync + 'static, words: Option<String>) -> Cause {
+        Cause { error: Arc::new(e), words: words.map(Arc::from) }
     }
 
     /// The error itself (`.downcast_ref::<cudarc::driver::DriverError>()` and the like).
     pub fn get(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
-        &*self.0
+        &*self.error
+    }
+
+    fn driver(&self) -> Option<&cudarc::driver::DriverError> {
+        self.error.downcast_ref::<cudarc::driver::DriverError>()
     }
 }
 
 impl fmt::Debug for Cause {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
+        // cudarc's `Debug` of a driver error asks the driver for its words: not here.
+        match self.driver() {
+            Some(d) => f.debug_tuple("DriverError").field(&d.0).finish(),
+            None => fmt::Debug::fmt(&self.error, f),
+        }
     }
 }
 
 impl fmt::Display for Cause {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&self.0, f)
+        match (&self.words, self.driver()) {
+            (Some(w), _) => f.write_str(w),
+            (None, Some(d)) => write!(f, "{:?}", d.0),
+            (None, None) => fmt::Display::fmt(&self.error, f),
+        }
     }
 }
 
 impl PartialEq for Cause {
     fn eq(&self, other: &Cause) -> bool {
-        use cudarc::driver::DriverError;
-        if Arc::ptr_eq(&self.0, &other.0) {
+        if Arc::ptr_eq(&self.error, &other.error) {
             return true;
         }
-        // Driver errors by their result (printing one asks the driver for its words).
-        match (self.0.downcast_ref::<DriverError>(), other.0.downcast_ref::<DriverError>()) {
+        match (self.driver(), other.driver()) {
             (Some(a), Some(b)) => a == b,
-            (None, None) => {
-                self.0.to_string() == other.0.to_string() && format!("{:?}", self.0) == format!("{:?}", other.0)
-            }
+            (None, None) => self.to_string() == other.to_string() && format!("{self:?}") == format!("{other:?}"),
             _ => false,
         }
     }
@@ -146,13 +163,18 @@ impl Error {
         Error::Backend { op, message: message.into(), cause: None }
     }
 
-    /// [`Error::Backend`] from an underlying error: its words are the message, and it is the
-    /// [`source`](std::error::Error::source).
+    /// [`Error::Backend`] from an underlying error, which is its
+    /// [`source`](std::error::Error::source) (and is not repeated in its message, as error
+    /// reporters print the chain; a driver error's result name is the message).
     pub fn caused_by(op: &'static str, cause: impl std::error::Error + Send + Sync + 'static) -> Error {
-        Error::Backend { op, message: cause.to_string(), cause: Some(Cause::new(cause)) }
+        let any: &dyn std::any::Any = &cause;
+        let message =
+            any.downcast_ref::<cudarc::driver::DriverError>().map_or_else(String::new, |d| format!("{:?}", d.0));
+        Error::Backend { op, message, cause: Some(Cause::new(cause)) }
     }
 
-    /// [`Error::Backend`] with a message of its own and an underlying error.
+    /// [`Error::Backend`] with a message of its own (context, not the cause's words) and an
+    /// underlying error.
     pub fn with_cause(
         op: &'static str,
         message: impl Into<String>,
@@ -288,6 +310,7 @@ impl fmt::Display for Error {
                 write!(f, "the allocator `{allocator}` of pool {pool} failed: {message}")
             }
             Error::Capture { what, message } => write!(f, "{what}: {message}"),
+            Error::Backend { op, message, .. } if message.is_empty() => write!(f, "{op} failed"),
             Error::Backend { op, message, .. } => write!(f, "{op} failed: {message}"),
         }
     }

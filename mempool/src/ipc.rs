@@ -281,7 +281,7 @@ impl Drop for Lease {
 }
 
 fn io_err(op: &'static str, path: &std::path::Path, e: std::io::Error) -> Error {
-    Error::with_cause(op, format!("{}: {e}", path.display()), e)
+    Error::with_cause(op, path.display().to_string(), e)
 }
 
 /// Removes the lease files of exporting processes that are gone (their buffers went with
@@ -981,7 +981,7 @@ pub fn send<T: Send + 'static>(sock: &std::os::unix::net::UnixStream, exported: 
     let mut msg = (bytes.len() as u32).to_le_bytes().to_vec();
     msg.extend_from_slice(&bytes);
     let fds: Vec<std::ffi::c_int> = exported.fds().iter().map(|f| f.as_raw_fd()).collect();
-    send_with_fds(sock, &msg, &fds).map_err(|e| Error::with_cause("sending an IPC handle", e.to_string(), e))
+    send_with_fds(sock, &msg, &fds).map_err(|e| Error::caused_by("sending an IPC handle", e))
 }
 
 /// Writes `data` with `fds` attached to its first byte.
@@ -1033,7 +1033,7 @@ pub fn receive_handle(sock: &std::os::unix::net::UnixStream) -> Result<(IpcHandl
     use std::io::Read;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let op = "receiving an IPC handle";
-    let io = |e: std::io::Error| Error::with_cause(op, e.to_string(), e);
+    let io = |e: std::io::Error| Error::caused_by(op, e);
     let max = 4 + FIXED + 8 * MAX_FDS;
     let mut buf = vec![0u8; max];
     let fd_bytes = MAX_FDS * std::mem::size_of::<std::ffi::c_int>();

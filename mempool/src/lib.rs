@@ -37,11 +37,11 @@
 
 /// A `tracing` event, target `mempool` (feature `tracing`); without the feature, nothing: the
 /// arguments are not even compiled. Only where no allocator lock is held (a subscriber is user
-/// code, and may call mempool).
+/// code, and may call mempool); its calls are contained as a hook's are (`trace::contained`).
 macro_rules! tracing_event {
     ($($arg:tt)*) => {
         #[cfg(feature = "tracing")]
-        ::tracing::event!(target: "mempool", $($arg)*);
+        crate::trace::contained(|| ::tracing::event!(target: "mempool", $($arg)*));
     };
 }
 
@@ -51,7 +51,7 @@ macro_rules! tracing_event {
 macro_rules! tracing_span {
     ($($arg:tt)*) => {{
         #[cfg(feature = "tracing")]
-        let span = Some(::tracing::span!(target: "mempool", $($arg)*).entered());
+        let span = crate::trace::ContainedSpan::enter(|| ::tracing::span!(target: "mempool", $($arg)*));
         #[cfg(not(feature = "tracing"))]
         let span: Option<()> = None;
         span

@@ -240,6 +240,47 @@ pub(crate) fn segments_wanted() -> bool {
     enabled()
 }
 
+/// As [`segments_wanted`], for the out-of-memory event (a warning: wanted at WARN already).
+#[inline]
+pub(crate) fn oom_wanted() -> bool {
+    #[cfg(feature = "tracing")]
+    if tracing::level_filters::LevelFilter::current() >= tracing::level_filters::LevelFilter::WARN {
+        return true;
+    }
+    enabled()
+}
+
+/// Runs `f`, user code of a `tracing` subscriber, as a hook runs: allocating from it is refused
+/// (`Reentrant`), and a panic stays here (its payload forgotten: its own `Drop` could panic
+/// again), so it never unwinds into the allocator, nor out of a `Drop` during an unwind.
+#[cfg(feature = "tracing")]
+pub(crate) fn contained<R>(f: impl FnOnce() -> R) -> Option<R> {
+    let was = IN_HOOK.with(|h| h.replace(true));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    IN_HOOK.with(|h| h.set(was));
+    r.map_err(std::mem::forget).ok()
+}
+
+/// A `tracing` span entered until dropped, its subscriber's calls [`contained`].
+#[cfg(feature = "tracing")]
+pub(crate) struct ContainedSpan(Option<tracing::span::EnteredSpan>);
+
+#[cfg(feature = "tracing")]
+impl ContainedSpan {
+    pub(crate) fn enter(make: impl FnOnce() -> tracing::Span) -> Option<ContainedSpan> {
+        contained(|| ContainedSpan(Some(make().entered())))
+    }
+}
+
+#[cfg(feature = "tracing")]
+impl Drop for ContainedSpan {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            contained(|| drop(s));
+        }
+    }
+}
+
 /// With the `tracing` feature: the segment-level events as `tracing` events (target `mempool`),
 /// called from delivery, outside every lock, in each allocator's event order.
 #[cfg(feature = "tracing")]
@@ -268,8 +309,35 @@ pub(crate) fn in_hook() -> bool {
     IN_HOOK.with(Cell::get)
 }
 
+/// With the `tracing` feature, the subscriber of the thread an event happened on, which sees it
+/// whatever thread delivers it (a thread-scoped subscriber included); nothing otherwise.
+#[cfg(feature = "tracing")]
+pub(crate) type Dispatch = Option<tracing::Dispatch>;
+/// See above.
+#[cfg(not(feature = "tracing"))]
+pub(crate) type Dispatch = Option<std::convert::Infallible>;
+
+/// The current thread's [`Dispatch`] (a thread-local read and a reference count: no subscriber
+/// code runs, so it may be called under a lock). Only for segment-level events, which are rare.
+#[inline]
+pub(crate) fn dispatch() -> Dispatch {
+    #[cfg(feature = "tracing")]
+    {
+        tracing::dispatcher::get_default(|d| {
+            (!d.is::<tracing::subscriber::NoSubscriber>() && segments_wanted_by_tracing()).then(|| d.clone())
+        })
+    }
+    #[cfg(not(feature = "tracing"))]
+    None
+}
+
+#[cfg(feature = "tracing")]
+fn segments_wanted_by_tracing() -> bool {
+    tracing::level_filters::LevelFilter::current() >= tracing::level_filters::LevelFilter::WARN
+}
+
 /// Delivers an event to the history and every callback (called outside every allocator lock).
-pub(crate) fn deliver(e: &TraceEntry) {
+pub(crate) fn deliver(e: &TraceEntry, d: Dispatch) {
     let e = *e;
     {
         let mut h = HISTORY.lock().unwrap_or_else(|p| p.into_inner());
@@ -280,13 +348,14 @@ pub(crate) fn deliver(e: &TraceEntry) {
             h.entries.push_back(e);
         }
     }
+    // A subscriber is user code, as a hook is: contained the same way. Told to the subscriber
+    // of the thread the event happened on.
     #[cfg(feature = "tracing")]
-    {
-        // A subscriber is user code, as a hook is: allocating from it is refused the same way.
-        let was = IN_HOOK.with(|f| f.replace(true));
-        let _restore = scopeguard::guard((), |()| IN_HOOK.with(|f| f.set(was)));
-        to_tracing(&e);
+    if let Some(d) = d {
+        contained(|| tracing::dispatcher::with_default(&d, || to_tracing(&e)));
     }
+    #[cfg(not(feature = "tracing"))]
+    let _ = d;
     let hooks: Vec<Callback> = HOOKS.read().unwrap_or_else(|p| p.into_inner()).iter().map(|(_, c)| c.clone()).collect();
     if hooks.is_empty() {
         return;

@@ -68,8 +68,12 @@ fn main() -> ExitCode {
     };
     let view = match mempool_viz::SnapshotView::read(&a.input) {
         Ok(v) => v,
+        Err(e @ mempool_viz::Error::Io { .. }) => {
+            eprintln!("mempool-viz: {}", report(&e));
+            return ExitCode::FAILURE;
+        }
         Err(e) => {
-            eprintln!("mempool-viz: {}: {e}", a.input);
+            eprintln!("mempool-viz: {}: {}", a.input, report(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -89,17 +93,29 @@ fn main() -> ExitCode {
     let tl = view.timeline().window(a.from, a.to);
     if let Some(svg) = &a.svg {
         if let Err(e) = mempool_viz::render_timeline_of(&view, &tl, svg) {
-            eprintln!("mempool-viz: {e}");
+            eprintln!("mempool-viz: {}", report(&e));
             return ExitCode::FAILURE;
         }
         println!("timeline written to {svg}");
     }
     if let Some(html) = &a.html {
         if let Err(e) = mempool_viz::html::write_page(&view, a.from, a.to, html) {
-            eprintln!("mempool-viz: {e}");
+            eprintln!("mempool-viz: {}", report(&e));
             return ExitCode::FAILURE;
         }
         println!("page written to {html}");
     }
     ExitCode::SUCCESS
+}
+
+/// An error and its sources, as one line.
+fn report(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut next = e.source();
+    while let Some(x) = next {
+        s.push_str(": ");
+        s.push_str(&x.to_string());
+        next = x.source();
+    }
+    s
 }

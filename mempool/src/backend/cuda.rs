@@ -27,12 +27,18 @@ fn driver_present() -> bool {
     true
 }
 
-/// The [`Error::Backend`] for a failed driver call, the driver's error as its source. Its words
-/// come from the driver (`cuGetErrorString`) where one is loaded, else the result's name (a
-/// `DriverError` made up without a driver is never formatted through it).
+/// The [`Error::Backend`] for a failed driver call: the result's name as its message, the
+/// driver's error as its source.
 pub(crate) fn driver_error(op: &'static str, e: DriverError) -> Error {
-    let words = if driver_present() { e.to_string() } else { format!("{:?}", e.0) };
-    Error::with_cause(op, words, e)
+    Error::Backend { op, message: format!("{:?}", e.0), cause: Some(driver_cause(e)) }
+}
+
+/// A driver error as a [`Cause`](crate::Cause), shown with the driver's description
+/// (`cuGetErrorString`, asked now, where a driver is loaded: a `DriverError` made up without one
+/// shows its result's name).
+pub fn driver_cause(e: DriverError) -> crate::Cause {
+    let words = if driver_present() { e.error_string().ok().map(|s| s.to_string_lossy().into_owned()) } else { None };
+    crate::Cause::with_words(e, words)
 }
 
 /// The number of CUDA devices, or [`Error::NoCudaDriver`] when no driver can be loaded.
@@ -291,7 +297,7 @@ impl CudaBackend {
                 peers.push(other);
                 Ok(())
             }
-            r => Err(Error::caused_by("cuCtxEnablePeerAccess", DriverError(r))),
+            r => Err(driver_error("cuCtxEnablePeerAccess", DriverError(r))),
         }
     }
 
@@ -699,7 +705,7 @@ impl<'a> HostRegistration<'a> {
         if g != CUresult::CUDA_SUCCESS {
             // SAFETY: registered above; undone once.
             let _ = unsafe { sys::cuMemHostUnregister(mem.as_mut_ptr().cast()) };
-            return Err(Error::caused_by("cuMemHostGetDevicePointer", DriverError(g)));
+            return Err(driver_error("cuMemHostGetDevicePointer", DriverError(g)));
         }
         Ok(HostRegistration { ctx, mem, dev })
     }

@@ -75,7 +75,7 @@ pub fn probe(device: usize) -> Result<HostNumaSupport> {
     if device >= count {
         return Err(Error::InvalidDevice { device, count });
     }
-    let ctx = CudaContext::new(device).map_err(|e| Error::caused_by("opening the device", e))?;
+    let ctx = CudaContext::new(device).map_err(|e| super::cuda::driver_error("opening the device", e))?;
     let attr = |a| ctx.attribute(a).unwrap_or(-1);
     let id = attr(A::CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID);
     let nodes = host_nodes();
@@ -156,8 +156,8 @@ impl HostNumaAllocator {
                 support.nodes
             )));
         }
-        let ctx = CudaContext::new(device).map_err(|e| Error::caused_by("opening the device", e))?;
-        ctx.bind_to_thread().map_err(|e| Error::caused_by("binding the device", e))?;
+        let ctx = CudaContext::new(device).map_err(|e| super::cuda::driver_error("opening the device", e))?;
+        ctx.bind_to_thread().map_err(|e| super::cuda::driver_error("binding the device", e))?;
         let mut g = 0usize;
         let p = prop(node);
         // SAFETY: `p` is a valid property struct and `g` a place for the answer.

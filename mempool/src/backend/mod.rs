@@ -36,7 +36,7 @@ pub use crate::id::{EventId, StreamId};
 pub(crate) type Keep = Arc<dyn Any + Send + Sync>;
 
 /// What a backend reports when it cannot do what was asked.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum BackendError {
     /// The device has no memory left for this request.
@@ -48,12 +48,24 @@ pub enum BackendError {
     Driver(cudarc::driver::DriverError),
 }
 
+// By hand: cudarc's `Debug` and `Display` of a driver error ask the driver for its words (and
+// panic without one); these show the result's name.
+impl fmt::Debug for BackendError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            BackendError::OutOfMemory => f.write_str("OutOfMemory"),
+            BackendError::Failed(m) => f.debug_tuple("Failed").field(m).finish(),
+            BackendError::Driver(e) => f.debug_tuple("Driver").field(&e.0).finish(),
+        }
+    }
+}
+
 impl fmt::Display for BackendError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             BackendError::OutOfMemory => f.write_str("out of memory"),
             BackendError::Failed(m) => f.write_str(m),
-            BackendError::Driver(e) => fmt::Display::fmt(e, f),
+            BackendError::Driver(e) => write!(f, "{:?}", e.0),
         }
     }
 }

@@ -80,7 +80,7 @@ fn check(op: &'static str, r: CUresult) -> Result<()> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(Error::caused_by(op, cudarc::driver::DriverError(r)))
+        Err(super::cuda::driver_error(op, cudarc::driver::DriverError(r)))
     }
 }
 
@@ -92,8 +92,8 @@ impl StreamOrderedAllocator {
         if device >= count {
             return Err(Error::InvalidDevice { device, count });
         }
-        let ctx = CudaContext::new(device).map_err(|e| Error::caused_by("opening the device", e))?;
-        ctx.bind_to_thread().map_err(|e| Error::caused_by("binding the device", e))?;
+        let ctx = CudaContext::new(device).map_err(|e| super::cuda::driver_error("opening the device", e))?;
+        ctx.bind_to_thread().map_err(|e| super::cuda::driver_error("binding the device", e))?;
         if ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED).unwrap_or(0) == 0 {
             return Err(Error::Config(format!("device {device} has no stream-ordered memory pools")));
         }
@@ -113,7 +113,7 @@ impl StreamOrderedAllocator {
             Err(e) => {
                 // SAFETY: the pool was created just above and is destroyed once, unused.
                 let _ = unsafe { sys::cuMemPoolDestroy(pool) };
-                return Err(Error::caused_by("creating the pool's stream", e));
+                return Err(super::cuda::driver_error("creating the pool's stream", e));
             }
         };
         let me = StreamOrderedAllocator {

@@ -87,14 +87,14 @@ impl DeviceAllocator {
             Ok(Some(id)) => {
                 return Err(refused("begin_capture", format!("the stream is already being captured (capture {id})")))
             }
-            Err(e) => return Err(Error::caused_by("asking a stream's capture status", e)),
+            Err(e) => return Err(e.into_error("asking a stream's capture status")),
         }
         start()?;
         // SAFETY: as above.
         let id = match unsafe { be.capture_id(stream.raw) } {
             Ok(Some(id)) => id,
             Ok(None) => return Err(refused("begin_capture", "the stream did not start capturing")),
-            Err(e) => return Err(Error::caused_by("asking a stream's capture status", e)),
+            Err(e) => return Err(e.into_error("asking a stream's capture status")),
         };
         st.captures.push(Underway { id, pool });
         if let Some(slot) = st.resolve(pool) {
@@ -140,8 +140,7 @@ impl DeviceAllocator {
     /// The id of the capture `stream` is in, if any.
     pub(crate) fn stream_capture_id(&self, stream: StreamRef) -> Result<Option<u64>> {
         // SAFETY: `stream` is a live stream of this device: the caller holds it.
-        unsafe { self.backend.capture_id(stream.raw) }
-            .map_err(|e| Error::caused_by("asking a stream's capture status", e))
+        unsafe { self.backend.capture_id(stream.raw) }.map_err(|e| e.into_error("asking a stream's capture status"))
     }
 
     /// Whether a capture is under way on this device.
@@ -157,7 +156,7 @@ impl DeviceAllocator {
         // SAFETY: the request's stream is alive: the caller's current stream, which its entry
         // keeps alive, or a stream that never dies (the same promise `alloc_segment` relies on).
         let id = unsafe { self.backend.capture_id(req.stream.raw) }
-            .map_err(|e| Error::caused_by("asking a stream's capture status", e))?;
+            .map_err(|e| e.into_error("asking a stream's capture status"))?;
         let pool = id.and_then(|id| self.lock().captures.iter().find(|c| c.id == id).map(|c| c.pool));
         let routed;
         let req = match pool {

@@ -81,7 +81,7 @@ impl State {
                 }
                 Ok(false) => i += 1,
                 Err(e) => {
-                    self.error.get_or_insert(Error::caused_by("querying a cross-stream event", e));
+                    self.error.get_or_insert(e.into_error("querying a cross-stream event"));
                     i += 1;
                 }
             }
@@ -126,7 +126,7 @@ impl State {
                     self.event_done(be, ev, block);
                 }
                 Err(e) => {
-                    self.error.get_or_insert(Error::caused_by("waiting for a cross-stream event", e));
+                    self.error.get_or_insert(e.into_error("waiting for a cross-stream event"));
                     i += 1;
                 }
             }

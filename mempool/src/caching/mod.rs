@@ -473,7 +473,7 @@ impl DeviceAllocator {
             return;
         }
         match w {
-            Work::Event(e) => trace::deliver(&e),
+            Work::Event(e, d) => trace::deliver(&e, d),
             Work::Drop(x) => drop_user_code(x),
             _ => {}
         }
@@ -482,7 +482,7 @@ impl DeviceAllocator {
     /// Gives back what `w` says (a segment, a mapping, a reservation); see [`run`](Self::run).
     fn release(&self, w: Work) {
         match w {
-            Work::Event(_) | Work::Drop(_) => {}
+            Work::Event(..) | Work::Drop(_) => {}
             Work::GiveBack(g) => self.give_back_now(g),
             Work::Free(r) => {
                 let be = &*self.backend;
@@ -1041,7 +1041,7 @@ impl DeviceAllocator {
         };
         let be = &*self.backend;
         for (stream, _keep) in uses {
-            let failed = |e: BackendError| Error::caused_by("waiting for a stream that used the buffer", e);
+            let failed = |e: BackendError| e.into_error("waiting for a stream that used the buffer");
             // SAFETY: `stream` is alive: `_keep` holds it (CUDA) for the calls.
             let ev = unsafe { be.record_event(stream.raw) }.map_err(failed)?;
             // SAFETY: `ev` was just recorded by this backend; released once, right after.

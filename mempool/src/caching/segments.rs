@@ -287,7 +287,7 @@ impl State {
         self.stats.num_ooms += 1;
         self.pools[pool.get()].stats.num_ooms += 1;
         let id = self.pools[pool.get()].spec.id;
-        if crate::trace::segments_wanted() {
+        if crate::trace::oom_wanted() {
             self.emit_entry(Action::Oom, id, 0, requested, crate::id::StreamId(0));
         }
         let stacks = self.top_stacks();

@@ -214,7 +214,7 @@ impl std::fmt::Debug for Source {
 impl std::fmt::Debug for Work {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Work::Event(e) => write!(f, "Event({e})"),
+            Work::Event(e, _) => write!(f, "Event({e})"),
             Work::Free(r) => write!(f, "Free({:#x}, {})", r.addr, r.size),
             Work::Drop(_) => f.write_str("Drop"),
             Work::GiveBack(g) => write!(f, "GiveBack({:#x}, {})", g.addr, g.size),
@@ -249,7 +249,8 @@ pub(super) enum Work {
     /// Give back a reservation with nothing mapped in it.
     Unreserve(super::expand::Unreserving),
     /// Deliver an event to the history and the hooks.
-    Event(TraceEntry),
+    /// With the `tracing` feature, the subscriber of the thread that caused it goes along.
+    Event(TraceEntry, crate::trace::Dispatch),
     /// Give a segment back.
     Free(Released),
     /// Let go of something whose `Drop` is user code (a retired pool's allocator).
@@ -442,7 +443,12 @@ impl State {
         let (pool, addr, size) = (self.pools[b.pool.get()].spec.id, b.addr, b.size);
         let mut e = TraceEntry::new(action, self.allocator, self.device, pool, addr, size, stream);
         e.stack = stack;
-        self.outbox.push(Work::Event(e));
+        // Block events are many: only segment-level ones carry the thread's subscriber.
+        let d = match action {
+            Action::Alloc | Action::FreeRequested | Action::FreeCompleted => Default::default(),
+            _ => crate::trace::dispatch(),
+        };
+        self.outbox.push(Work::Event(e, d));
     }
 
     pub(super) fn emit_entry(
@@ -454,7 +460,7 @@ impl State {
         stream: crate::id::StreamId,
     ) {
         let e = TraceEntry::new(action, self.allocator, self.device, pool, addr, size, stream);
-        self.outbox.push(Work::Event(e));
+        self.outbox.push(Work::Event(e, crate::trace::dispatch()));
     }
 
     #[inline(always)]

@@ -167,7 +167,7 @@ impl Snapshot {
     pub fn write_pickle(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         std::fs::write(path, self.to_pickle())
-            .map_err(|e| Error::with_cause("writing a snapshot", format!("{}: {e}", path.display()), e))
+            .map_err(|e| Error::with_cause("writing a snapshot", path.display().to_string(), e))
     }
 }
 
