@@ -138,6 +138,82 @@ fn mixed_raw<K: Kind>(a: &Allocator<K>, live: usize) -> f64 {
     ns
 }
 
+/// `pair` and `mixed` through an allocation function (a pool's `alloc`, say).
+fn pair_with<K: Kind>(alloc: &dyn Fn(usize) -> Buffer<u8, K>, size: usize) -> f64 {
+    for _ in 0..WARMUP {
+        drop(alloc(size));
+    }
+    let t = Instant::now();
+    for _ in 0..timed() {
+        drop(alloc(size));
+    }
+    t.elapsed().as_nanos() as f64 / timed() as f64
+}
+
+fn mixed_with<K: Kind>(alloc: &dyn Fn(usize) -> Buffer<u8, K>, live: usize) -> f64 {
+    let mut rng = Rng(42);
+    let mut v: Vec<Option<Buffer<u8, K>>> = (0..live).map(|_| Some(alloc(rng.size()))).collect();
+    let t = Instant::now();
+    for _ in 0..timed() {
+        let k = (rng.next() % live as u64) as usize;
+        v[k] = None;
+        v[k] = Some(alloc(rng.size()));
+    }
+    t.elapsed().as_nanos() as f64 / timed() as f64
+}
+
+/// Cache hits over segment sources, in one run: the default pools, a pool of `cuMemAlloc`
+/// segments (no source of its own), a pool over a stream-ordered driver pool
+/// (`StreamOrderedAllocator`), and that source with no caching layer (`no_cache`: every buffer
+/// straight from the driver pool, PyTorch's `backend:cudaMallocAsync`). Then `trim_to(0)`.
+fn sources(a: &Allocator<mempool::Cuda>) -> Result<(), String> {
+    use mempool::backend::stream_ordered::{StreamOrderedAllocator, StreamOrderedOptions};
+    let err = |e: mempool::Error| e.to_string();
+    let plain = MemPool::on(a, PoolOptions::new()).map_err(err)?;
+    let so = std::sync::Arc::new(StreamOrderedAllocator::new(0, StreamOrderedOptions::default()).map_err(err)?);
+    let cached = MemPool::on(a, PoolOptions::new().shared_allocator(so.clone())).map_err(err)?;
+    let direct = MemPool::on(a, PoolOptions::new().shared_allocator(so.clone()).no_cache(true)).map_err(err)?;
+    let default = |s: usize| a.alloc::<u8>(s).expect("alloc");
+    let in_plain = |s: usize| plain.alloc::<u8>(s).expect("alloc");
+    let in_so = |s: usize| cached.alloc::<u8>(s).expect("alloc");
+    let in_direct = |s: usize| direct.alloc::<u8>(s).expect("alloc");
+    let row = |what: String, d: f64, p: f64, s: f64, n: f64| {
+        out!(
+            "sources {what} default {d:.1} pool {p:.1} stream_ordered {s:.1} ({:+.1}% of the pool's) no_cache {n:.1}",
+            (s / p - 1.0) * 100.0
+        );
+    };
+    for size in pair_sizes() {
+        let (d, p, s, n) = (
+            pair_with(&default, size),
+            pair_with(&in_plain, size),
+            pair_with(&in_so, size),
+            pair_with(&in_direct, size),
+        );
+        row(format!("pair {size}"), d, p, s, n);
+    }
+    for live in MIXED_LIVE {
+        let (d, p, s, n) = (
+            mixed_with(&default, live),
+            mixed_with(&in_plain, live),
+            mixed_with(&in_so, live),
+            mixed_with(&in_direct, live),
+        );
+        row(format!("mixed {live}"), d, p, s, n);
+    }
+    cached.empty_cache().map_err(err)?;
+    direct.empty_cache().map_err(err)?;
+    // The frees went to the driver on the segments' stream (`cuMemFreeAsync`): done once it ran.
+    a.current_stream().synchronize().map_err(|e| e.to_string())?;
+    let (before, used) = (so.reserved().map_err(err)?, so.used().map_err(err)?);
+    so.trim_to(0).map_err(err)?;
+    out!(
+        "sources trim_to(0) with nothing live: driver used {used}, reserved {before} -> {} bytes",
+        so.reserved().map_err(err)?
+    );
+    Ok(())
+}
+
 /// Runs the rows whose kind (`pair`, `mixed`, `pair-raw`, `mixed-raw`) is in `only` (all if empty).
 fn latency<K: Kind>(a: &Allocator<K>, only: &[String]) {
     let want = |k: &str| only.is_empty() || only.iter().any(|o| o == k);
@@ -404,7 +480,7 @@ fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String], mut streams: Stream
 }
 
 fn usage() -> String {
-    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda|pinned]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]\n       mempool-bench graph <trace>... [--backend sim|cuda]\n       mempool-bench graph-launch".into()
+    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda|pinned]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]\n       mempool-bench graph <trace>... [--backend sim|cuda]\n       mempool-bench graph-launch\n       mempool-bench sources   (CUDA: cache hits over segment sources)".into()
 }
 
 fn main() -> ExitCode {
@@ -440,6 +516,7 @@ fn main() -> ExitCode {
     };
     let r = match backend.as_str() {
         "cuda" if cmd == "graph-launch" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| graph_launch(&a)),
+        "cuda" if cmd == "sources" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| sources(&a)),
         "cuda" => Allocator::cuda(0).map_err(|e| e.to_string()).and_then(|a| {
             let ctx = a.context().clone();
             let default = ctx.default_stream();

@@ -301,6 +301,19 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
     /// A new segment of `size` bytes for `stream` of `device` (the stream is alive during the
     /// call).
     fn alloc(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError>;
+    /// [`alloc`](Self::alloc) for a caller that vouches for the stream: the caching allocator
+    /// calls this one. A source may then allocate in the stream's order (`cuMemAllocFromPoolAsync`
+    /// on it, with no synchronisation): the memory is valid for work queued on `stream` after
+    /// this call, and for other streams once they wait for it. The default calls `alloc`.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of `device` (CUDA: its handle), alive during the call and not
+    /// being captured into a graph; the memory is used in that stream's order (other streams
+    /// wait for it first), as the caching allocator uses a segment of a stream.
+    unsafe fn alloc_on_stream(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError> {
+        self.alloc(size, device, stream)
+    }
     /// Gives a segment back; `Err` means it was not (see the trait's safety contract).
     ///
     /// # Safety

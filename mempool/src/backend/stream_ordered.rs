@@ -1,7 +1,10 @@
 //! CUDA's stream-ordered allocator as a segment source: an explicit `cuMemPoolCreate` pool whose
-//! segments come from `cuMemAllocFromPoolAsync` on a stream of the allocator's own (synchronised:
-//! a new segment is rare, and a safe `alloc` must not trust a stream number it is given; this
-//! also keeps graph captures from turning segments into graph allocations) and go back with
+//! segments come from `cuMemAllocFromPoolAsync` on the request's own stream when the caching
+//! allocator asks (`alloc_on_stream`, whose caller vouches for a live stream that is not being
+//! captured: no synchronisation, as PyTorch's `cudaMallocAsync` backend), or on a stream of the
+//! allocator's own, synchronised, through the safe `alloc` (which must not trust a stream number
+//! it is given) and whenever the stream is being captured (a graph capture must not turn a
+//! segment into a graph allocation); they go back with
 //! `cuMemFreeAsync` on the segment's stream (alive during the call: the caching allocator keeps
 //! it; never the default stream in its place), after the work queued on it. Any `MemPool` can take it
 //! (`PoolOptions::shared_allocator(Arc::new(StreamOrderedAllocator::new(device, options)?))`); the
@@ -224,7 +227,9 @@ impl Drop for StreamOrderedAllocator {
 
 // SAFETY: `alloc` returns `size` bytes of this device's memory from the driver pool, allocated on
 // the allocator's own stream and synchronised, so valid for every stream (the stream argument,
-// which safe code can make up, is not used), and used by nothing else until `free` gives them
+// which safe code can make up, is not used); `alloc_on_stream` allocates them in the order of the
+// stream its caller vouches for, in which its caller uses them (its contract). Either way they are
+// used by nothing else until `free` gives them
 // back with `cuMemFreeAsync` on the segment's stream (alive by `free`'s contract), after whose
 // queued work the driver reuses them. A failed free leaves the memory allocated (the driver
 // changes nothing on error). `serves` keeps it to CUDA allocators, whose streams are real.
@@ -259,6 +264,31 @@ unsafe impl RawAllocator for StreamOrderedAllocator {
 
     fn serves(&self, backend_kind: &str) -> bool {
         backend_kind == "cuda"
+    }
+
+    /// In the stream's order, with no synchronisation (PyTorch's `cudaMallocAsync` backend
+    /// does the same): `cuMemAllocFromPoolAsync` on `stream` itself. A stream being captured
+    /// after all (a capture begun on another thread meanwhile) gets the synchronised path.
+    unsafe fn alloc_on_stream(&self, size: usize, device: usize, stream: StreamId) -> Result<u64, BackendError> {
+        if device != self.ctx.ordinal() {
+            return Err(BackendError::Failed(format!("{} does not serve device {device}", self.name)));
+        }
+        self.ctx.bind_to_thread().map_err(BackendError::from)?;
+        let s = stream.0 as sys::CUstream;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the caller promises a live stream of this device; `status` is an out-parameter.
+        let r = unsafe { sys::cuStreamIsCapturing(s, &mut status) };
+        if r != CUresult::CUDA_SUCCESS || status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return self.alloc(size, device, stream);
+        }
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-parameter; a live pool; a live stream of its device, not capturing (just
+        // checked), in whose order the caller uses the memory.
+        match unsafe { sys::cuMemAllocFromPoolAsync(&mut p, size, self.pool, s) } {
+            CUresult::CUDA_SUCCESS => Ok(p),
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Err(BackendError::OutOfMemory),
+            r => Err(BackendError::Driver(cudarc::driver::DriverError(r))),
+        }
     }
 
     fn ipc_export(&self, addr: u64) -> Option<Result<(std::os::fd::OwnedFd, [u8; 64]), BackendError>> {

@@ -713,7 +713,14 @@ impl DeviceAllocator {
                                 });
                                 r.unwrap_or_else(|| Err(BackendError::Failed("the relaxed call did not run".into())))
                             }
-                            Source::Pool(a) => crate::backend::as_source(|| a.alloc(size, be.device(), req.stream.raw)),
+                            // SAFETY: the request's stream is alive (`seg_keep` holds it), of this
+                            // device (checked when the request was made), not capturing (that is
+                            // the arm above); the segment serves only this stream, whose order its
+                            // blocks are used in (other streams wait for it: `record_stream`, a
+                            // buffer's `device_ptr` on another stream).
+                            Source::Pool(a) => crate::backend::as_source(|| unsafe {
+                                a.alloc_on_stream(size, be.device(), req.stream.raw)
+                            }),
                         });
                         st = self.lock();
                         st.growing -= size;
