@@ -14,7 +14,7 @@ for round in 1 2; do
   CUDA_VISIBLE_DEVICES=0 /tmp/pinned_anchor
   CUDA_VISIBLE_DEVICES=0 "$bin" latency pair mixed --backend pinned
   # PyTorch's host allocator rounds every size up to a power of two; the same rounding here
-  # (`roundup_power2_divisions:1`) shows what it costs in reserved bytes on the mixed workload.
-  echo "== power-of-two rounding (MEMPOOL_ALLOC_CONF=roundup_power2_divisions:1)"
-  CUDA_VISIBLE_DEVICES=0 MEMPOOL_ALLOC_CONF=roundup_power2_divisions:1 "$bin" latency mixed --backend pinned
+  # (`pinned_round_power2:True`) shows what it costs in reserved bytes on the mixed workload.
+  echo "== power-of-two rounding (MEMPOOL_ALLOC_CONF=pinned_round_power2:True)"
+  CUDA_VISIBLE_DEVICES=0 MEMPOOL_ALLOC_CONF=pinned_round_power2:True "$bin" latency mixed --backend pinned
 done

@@ -10,6 +10,7 @@
 //! | `expandable_segments` | `True` or `False` (default) | the default pools map memory on demand into one reserved address range per (stream, pool kind) instead of allocating segments: a block can grow into the pages after it, so memory fragments far less; needs a device with virtual memory management (CUDA, sim) |
 //! | `pinned_use_cuda_host_register` | `True` or `False` (default) | pinned allocators (`Allocator::pinned`) take page-aligned host memory and register it (`cuMemHostRegister`) instead of `cuMemHostAlloc`, faulting its pages in first on `pinned_num_register_threads` threads |
 //! | `pinned_num_register_threads` | a power of two from 1 (default) to 128 | the threads that fault a new pinned segment's pages in |
+//! | `pinned_round_power2` | `True` or `False` (default) | pinned allocators round every size up to a power of two, as PyTorch's host allocator always does (fewer distinct sizes to cache; up to twice the bytes for a size just above a power of two) |
 //! | `backend` | `native` (default) or `cudaMallocAsync` | `cudaMallocAsync`: the default pools of CUDA allocators take every buffer straight from a stream-ordered driver pool (`cuMemAllocFromPoolAsync`) and give it straight back at its free, with no caching layer, as PyTorch's backend of that name (not with `expandable_segments`) |
 //! | `thread_cache` | `True` (default) or `False` | mempool's own: each thread keeps the blocks it freed last and reuses them for requests of the same size on the same stream without a lock; `False` gives every block to the shared best-fit sets, exactly as PyTorch places them |
 //!
@@ -31,7 +32,7 @@ use crate::rules::{divisions_index, LARGE_BUFFER, POWER2_INTERVALS};
 /// The environment variable read by the process-wide CUDA allocators.
 pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
 
-const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache, pinned_use_cuda_host_register, pinned_num_register_threads, backend";
+const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache, pinned_use_cuda_host_register, pinned_num_register_threads, pinned_round_power2, backend";
 const MIB: usize = 1 << 20;
 /// The most round-up divisions per power of two (steps of 1 KiB at 1 MiB).
 const MAX_DIVISIONS: usize = 1 << 10;
@@ -56,6 +57,9 @@ pub struct Config {
     pub pinned_use_cuda_host_register: bool,
     /// The threads that fault a new registered segment's pages in.
     pub pinned_num_register_threads: usize,
+    /// Pinned allocators round every size up to a power of two (PyTorch's host allocator's
+    /// rule); device allocators ignore it.
+    pub pinned_round_power2: bool,
     /// `backend:cudaMallocAsync`: the default pools pass every buffer to a stream-ordered driver
     /// pool with no caching (see the module's table).
     pub malloc_async: bool,
@@ -72,6 +76,7 @@ impl Default for Config {
             expandable_segments: false,
             pinned_use_cuda_host_register: false,
             pinned_num_register_threads: 1,
+            pinned_round_power2: false,
             malloc_async: false,
         }
     }
@@ -121,6 +126,7 @@ impl Config {
                 }
                 "thread_cache" => b.thread_cache(parse_bool(key, value)?),
                 "pinned_use_cuda_host_register" => b.pinned_use_cuda_host_register(parse_bool(key, value)?),
+                "pinned_round_power2" => b.pinned_round_power2(parse_bool(key, value)?),
                 "backend" => match value {
                     "native" => b.malloc_async(false),
                     "cudaMallocAsync" => b.malloc_async(true),
@@ -145,6 +151,18 @@ impl Config {
     /// The divisions that apply to a request of `size` bytes.
     pub(crate) fn divisions_for(&self, size: usize) -> usize {
         self.roundup_power2_divisions[divisions_index(size)]
+    }
+
+    /// The block size a request of `size` bytes gets (`None`: too large): the next power of
+    /// two under `pinned_round_power2` (for the pinned allocators that keep it), else the
+    /// caching rules with `roundup_power2_divisions`.
+    #[inline]
+    pub(crate) fn round(&self, size: usize) -> Option<usize> {
+        if self.pinned_round_power2 {
+            let r = size.checked_next_power_of_two()?.max(crate::rules::MIN_BLOCK_SIZE);
+            return (r <= crate::rules::MAX_BLOCK).then_some(r);
+        }
+        crate::rules::round_size(size, self.divisions_for(size))
     }
 }
 
@@ -233,6 +251,12 @@ impl ConfigBuilder {
     /// allocating it pinned (default: off).
     pub fn pinned_use_cuda_host_register(mut self, on: bool) -> Self {
         self.config.pinned_use_cuda_host_register = on;
+        self
+    }
+
+    /// Pinned allocators round every size up to a power of two (default: off).
+    pub fn pinned_round_power2(mut self, on: bool) -> Self {
+        self.config.pinned_round_power2 = on;
         self
     }
 
@@ -335,6 +359,17 @@ fn parse_intervals(value: &str) -> Result<Vec<(Option<usize>, usize)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pinned_round_power2_rounds_to_the_next_power_of_two() {
+        let c = Config::parse("pinned_round_power2:True").unwrap();
+        assert!(c.pinned_round_power2);
+        assert_eq!((c.round(3000), c.round(4096), c.round(4097), c.round(1)), (Some(4096), Some(4096), Some(8192), Some(512)));
+        assert_eq!(c.round(usize::MAX / 2 + 2), None, "past the largest block");
+        let plain = Config::default();
+        assert_eq!(plain.round(3000), Some(3072), "512-byte steps without it");
+        assert!(Config::parse("pinned_round_power2:maybe").is_err());
+    }
 
     #[test]
     fn backend_values() {

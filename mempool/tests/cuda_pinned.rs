@@ -218,3 +218,18 @@ fn registering_host_memory_and_refusing_twice() {
     let e = HostRegistration::new(0, &mut []).unwrap_err();
     assert!(e.to_string().contains("empty"), "{e}");
 }
+
+/// `pinned_round_power2` (PyTorch's host allocator's rule) rounds pinned sizes up to a power of
+/// two (device allocators ignoring it: `sim_rules`).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pinned_round_power2_applies_to_pinned_allocators_only() {
+    let cfg = mempool::Config::parse("pinned_round_power2:True").unwrap();
+    let pinned = Allocator::pinned_with(0, cfg.clone()).unwrap();
+    assert!(pinned.config().pinned_round_power2);
+    let b = pinned.alloc::<u8>(3000).unwrap();
+    assert_eq!(pinned.memory_stats().allocated_bytes.all.current, 4096);
+    let big = pinned.alloc::<u8>((1 << 20) + 1).unwrap();
+    assert_eq!(pinned.memory_stats().allocated_bytes.all.current, 4096 + (2 << 20));
+    drop((b, big));
+}

@@ -399,3 +399,15 @@ fn roundup_power2_divisions_apply() {
     assert_eq!(a.snapshot().segments[0].blocks[0].size, 1280 << 10);
     drop(x);
 }
+
+/// `pinned_round_power2` is the pinned allocators' option: an allocator of device memory with the
+/// same settings keeps 512-byte steps (and says it is off).
+#[test]
+fn pinned_round_power2_leaves_device_allocators_alone() {
+    let cfg = Config::parse("pinned_round_power2:True").unwrap();
+    let a = Allocator::sim_with(SimDevice::new(64 << 20), cfg);
+    assert!(!a.config().pinned_round_power2);
+    let b = a.alloc::<u8>(3000).unwrap();
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 3072);
+    drop(b);
+}

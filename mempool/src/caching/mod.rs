@@ -37,7 +37,7 @@ use crate::backend::{contain, Backend, BackendError, Keep};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::id::{AllocatorId, PoolId, PoolRef, StreamRef};
-use crate::rules::{is_small, round_size};
+use crate::rules::is_small;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::stats::{MemoryStats, PoolStats};
 use crate::trace;
@@ -261,6 +261,8 @@ impl DeviceAllocator {
         // blocks the device never used (`Buffer::mark_device_use`) reach the thread caches, which
         // hand blocks out again at once.
         let host_visible = backend.host_visible();
+        // Power-of-two rounding is the pinned allocators' option alone.
+        config.pinned_round_power2 &= host_visible;
         // `backend:cudaMallocAsync`: the default pools pass every buffer to the driver's
         // stream-ordered pool, with no caching (no thread caches either).
         let malloc_async = if config.malloc_async { backend.malloc_async_source() } else { None };
@@ -585,7 +587,7 @@ impl DeviceAllocator {
     /// A block of this thread's cache for `req` (default pools), if there is one.
     #[inline(always)]
     fn take_cached(&self, req: &Request<'_>) -> Option<Allocation> {
-        let rounded = round_size(req.size, self.rounding.divisions_for(req.size))?;
+        let rounded = self.rounding.round(req.size)?;
         let stream = req.stream.key;
         let board = &self.caches.board;
         let h = self.caches.with_mine(self.id, |tc| tc.take(board, stream, rounded, req.size))??;
@@ -625,7 +627,7 @@ impl DeviceAllocator {
             st.process_events(&*self.backend);
         }
         st.tick += 1;
-        let Some(rounded) = round_size(req.size, st.config.divisions_for(req.size)) else {
+        let Some(rounded) = st.config.round(req.size) else {
             let slot = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
             let e = st.oom(&*self.backend, req.size, slot);
             self.unlock(st, false);
