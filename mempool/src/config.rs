@@ -364,7 +364,10 @@ mod tests {
     fn pinned_round_power2_rounds_to_the_next_power_of_two() {
         let c = Config::parse("pinned_round_power2:True").unwrap();
         assert!(c.pinned_round_power2);
-        assert_eq!((c.round(3000), c.round(4096), c.round(4097), c.round(1)), (Some(4096), Some(4096), Some(8192), Some(512)));
+        assert_eq!(
+            (c.round(3000), c.round(4096), c.round(4097), c.round(1)),
+            (Some(4096), Some(4096), Some(8192), Some(512))
+        );
         assert_eq!(c.round(usize::MAX / 2 + 2), None, "past the largest block");
         let plain = Config::default();
         assert_eq!(plain.round(3000), Some(3072), "512-byte steps without it");

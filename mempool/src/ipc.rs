@@ -4,7 +4,8 @@
 //! The exporter turns a [`Buffer`] into an [`Exported`] and sends its [`IpcHandle`] (plain
 //! bytes: [`IpcHandle::to_bytes`]) to another process by any channel; that process opens it
 //! with [`import`] on a stream of its own, on the same GPU or another one that can reach it,
-//! and gets an [`Imported`] view that cudarc's copies and kernels take like a `CudaSlice`.
+//! and gets an [`Imported`] view that cudarc's copies take like a `CudaSlice` (a kernel takes
+//! the address `device_ptr(&stream)` gives, which orders that stream after the view's).
 //!
 //! ```no_run
 //! # fn send(_: &[u8]) {}
@@ -26,14 +27,18 @@
 //! ```
 //!
 //! **Lifetime.** An export holds a lease counter in a small shared-memory file
-//! (`/dev/shm/mempool-ipc-<pid>-<n>`): every import takes a lease before it maps anything and
-//! gives it back when the view is dropped, after its stream's work on the memory is done. When
-//! the `Exported` is dropped with leases out, its buffer waits (is not freed, so its block is not
-//! reused) until the last lease is back: [`reclaim`] frees the buffers whose leases are all
-//! back, and every new export calls it. An export closed for good refuses new imports (a stale
-//! handle: a clear error, nothing mapped). A consumer that dies holding a lease keeps the buffer
-//! until the producer exits, as with PyTorch's reference-counting files; the files of producers
-//! that are gone are removed by the next export on the machine.
+//! (`/dev/shm/mempool-ipc-<random token>`, mode 0600: importers run as the same user), next to
+//! a fingerprint of the handle: every import checks the fingerprint (a handle altered, or
+//! pieced together from two exports, is refused) and takes a lease before it maps anything,
+//! and gives it back when the view is dropped, after its stream's work on the memory is done.
+//! When the `Exported` is dropped with leases out, its buffer waits (is not freed, so its block
+//! is not reused) until the last lease is back: [`reclaim`] frees the buffers whose leases are
+//! all back, and every new export calls it. An export closed for good refuses new imports (a
+//! stale handle: a clear error, nothing mapped). The exporter holds a lock on its file while
+//! the export lives; files nobody holds (their process ended) are removed by the next export on
+//! the machine, whatever pid namespace they came from. A consumer that dies holding a lease
+//! keeps the buffer until the producer exits, as with PyTorch's reference-counting files.
+//! The view's reach is checked against the allocation the driver opened.
 //!
 //! **What exports, and how.**
 //! - Buffers in `cuMemAlloc` segments (the default pools, pools without a segment source of
@@ -69,7 +74,7 @@ use crate::error::{Error, Result};
 use crate::kind::Cuda;
 
 const MAGIC: [u8; 8] = *b"MPIPC\x00\x00\x02";
-const FIXED: usize = 8 + 1 + 16 + 16 + 4 + 8 + 64 + 64 + 8 + 8 + 4 + 4;
+const FIXED: usize = 8 + 1 + 16 + 16 + 4 + 16 + 16 + 64 + 64 + 8 + 8 + 4 + 4;
 /// The most physical allocations one exported buffer of an expandable segment may span (each
 /// travels as a file descriptor).
 pub const MAX_FDS: usize = 64;
@@ -96,8 +101,13 @@ pub struct IpcHandle {
     via: Via,
     boot_id: [u8; 16],
     device_uuid: [u8; 16],
+    /// The exporting process (for messages: pids are per namespace).
     pid: u32,
-    export: u64,
+    /// Random: names the export's lease file, and tells this process's own exports apart.
+    token: [u8; 16],
+    /// Pool: which driver pool (the exporting process's random id and its pool's), so an
+    /// importer imports each pool once however many handles name it; zeros otherwise.
+    pool_key: [u8; 16],
     /// Legacy: the `CUipcMemHandle`; pool: the `CUmemPoolPtrExportData`.
     mem: [u8; 64],
     event: [u8; 64],
@@ -114,7 +124,7 @@ impl fmt::Debug for IpcHandle {
         f.debug_struct("IpcHandle")
             .field("via", &self.via)
             .field("pid", &self.pid)
-            .field("export", &self.export)
+            .field("token", &hex(&self.token))
             .field("offset", &self.offset)
             .field("bytes", &self.bytes)
             .field("elem_size", &self.elem_size)
@@ -133,7 +143,8 @@ impl IpcHandle {
         v.extend_from_slice(&self.boot_id);
         v.extend_from_slice(&self.device_uuid);
         v.extend_from_slice(&self.pid.to_le_bytes());
-        v.extend_from_slice(&self.export.to_le_bytes());
+        v.extend_from_slice(&self.token);
+        v.extend_from_slice(&self.pool_key);
         v.extend_from_slice(&self.mem);
         v.extend_from_slice(&self.event);
         v.extend_from_slice(&self.offset.to_le_bytes());
@@ -172,7 +183,8 @@ impl IpcHandle {
         let boot_id = arr16(take(16));
         let device_uuid = arr16(take(16));
         let pid = u32le(take(4));
-        let export = u64le(take(8));
+        let token = arr16(take(16));
+        let pool_key = arr16(take(16));
         let mem = arr64(take(64));
         let event = arr64(take(64));
         let offset = u64le(take(8));
@@ -183,7 +195,7 @@ impl IpcHandle {
             return Err(bad(format!("{n} physical allocations in {} bytes", b.len())));
         }
         let maps = (0..n).map(|_| u64le(take(8))).collect();
-        Ok(IpcHandle { via, boot_id, device_uuid, pid, export, mem, event, offset, bytes, elem_size, maps })
+        Ok(IpcHandle { via, boot_id, device_uuid, pid, token, pool_key, mem, event, offset, bytes, elem_size, maps })
     }
 
     /// The exported buffer's size in bytes.
@@ -191,7 +203,7 @@ impl IpcHandle {
         self.bytes as usize
     }
 
-    /// The exporting process.
+    /// The exporting process (its pid in its own pid namespace).
     pub fn pid(&self) -> u32 {
         self.pid
     }
@@ -200,6 +212,31 @@ impl IpcHandle {
     /// usually lies inside a larger segment).
     pub fn offset(&self) -> u64 {
         self.offset
+    }
+
+    /// What the export's lease file must say for this handle to open (FNV-1a of every field
+    /// that says which memory it is): a handle with one export's memory and another's lease, or
+    /// altered on the way, is refused.
+    fn fingerprint(&self) -> u64 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        let mut eat = |b: &[u8]| {
+            for &x in b {
+                h = (h ^ u64::from(x)).wrapping_mul(0x0000_0100_0000_01b3);
+            }
+        };
+        eat(&[self.via as u8]);
+        eat(&self.device_uuid);
+        eat(&self.token);
+        eat(&self.pool_key);
+        eat(&self.mem);
+        eat(&self.event);
+        eat(&self.offset.to_le_bytes());
+        eat(&self.bytes.to_le_bytes());
+        eat(&self.elem_size.to_le_bytes());
+        for m in &self.maps {
+            eat(&m.to_le_bytes());
+        }
+        h
     }
 
     /// How many file descriptors go with the handle (0: the bytes are enough, [`import`]).
@@ -228,31 +265,85 @@ fn boot_id() -> [u8; 16] {
     })
 }
 
-fn lease_path(pid: u32, export: u64) -> std::path::PathBuf {
-    std::path::PathBuf::from(format!("/dev/shm/mempool-ipc-{pid}-{export}"))
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// A lease counter in a shared-memory file, mapped.
+const LEASE_DIR: &str = "/dev/shm";
+const LEASE_PREFIX: &str = "mempool-ipc-";
+/// A lease file: the counter, then the handle's fingerprint.
+const LEASE_BYTES: usize = 16;
+
+fn lease_path(token: &[u8; 16]) -> std::path::PathBuf {
+    std::path::Path::new(LEASE_DIR).join(format!("{LEASE_PREFIX}{}", hex(token)))
+}
+
+/// A fresh random token (the kernel's `getrandom`).
+fn random_token() -> std::io::Result<[u8; 16]> {
+    let mut t = [0u8; 16];
+    let mut got = 0;
+    while got < t.len() {
+        // SAFETY: writes at most the rest of `t`, which is ours.
+        let n = unsafe { libc::getrandom(t[got..].as_mut_ptr().cast(), t.len() - got, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+            continue;
+        }
+        got += n as usize;
+    }
+    Ok(t)
+}
+
+/// This process's random id (pool keys: a driver pool's handle is unique only in its process).
+fn process_id() -> u64 {
+    static ID: OnceLock<u64> = OnceLock::new();
+    *ID.get_or_init(|| {
+        random_token()
+            .map_or(u64::from(std::process::id()), |t| u64::from_le_bytes(t[..8].try_into().unwrap_or_default()))
+    })
+}
+
+/// The tokens of this process's live exports.
+fn our_tokens() -> &'static Mutex<std::collections::HashSet<[u8; 16]>> {
+    static OURS: OnceLock<Mutex<std::collections::HashSet<[u8; 16]>>> = OnceLock::new();
+    OURS.get_or_init(|| Mutex::new(std::collections::HashSet::new()))
+}
+
+/// A lease file, mapped: the counter and the fingerprint.
 struct Lease {
     ptr: std::ptr::NonNull<AtomicU64>,
+    /// The exporter's open file, which holds the file's lock (a live export's lease file is
+    /// never swept); `None` for an importer.
+    _file: Option<std::fs::File>,
 }
 
 // SAFETY: the mapping is process memory that lives as long as the `Lease`; it is only touched
-// through the atomic, which may be shared between threads (and processes).
+// through atomics, which may be shared between threads (and processes).
 unsafe impl Send for Lease {}
 // SAFETY: as above.
 unsafe impl Sync for Lease {}
 
 impl Lease {
+    /// Maps the first [`LEASE_BYTES`] of `file`, which must be a regular file at least that
+    /// long (a shorter one would fault on access: SIGBUS).
     fn map(file: &std::fs::File) -> std::io::Result<Lease> {
         use std::os::fd::AsRawFd;
-        // SAFETY: maps 8 bytes of an open file (its length is at least 8: the exporter sets it
-        // before anyone can know the name's export number) shared and read-write; the result is
-        // checked for failure.
+        let meta = file.metadata()?;
+        if !meta.file_type().is_file() || meta.len() < LEASE_BYTES as u64 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!("not a lease file ({} bytes, {:?})", meta.len(), meta.file_type()),
+            ));
+        }
+        // SAFETY: maps `LEASE_BYTES` of an open regular file at least that long, shared and
+        // read-write; the result is checked for failure.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                8,
+                LEASE_BYTES,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
@@ -263,20 +354,60 @@ impl Lease {
             return Err(std::io::Error::last_os_error());
         }
         let ptr = std::ptr::NonNull::new(p.cast::<AtomicU64>()).ok_or_else(std::io::Error::last_os_error)?;
-        Ok(Lease { ptr })
+        Ok(Lease { ptr, _file: None })
     }
 
     fn counter(&self) -> &AtomicU64 {
-        // SAFETY: a live, page-aligned mapping of 8 bytes (so aligned for a u64), only ever
-        // accessed atomically, in this process and the others that map it.
+        // SAFETY: a live, page-aligned mapping of `LEASE_BYTES` (so aligned for a u64), only
+        // ever accessed atomically, in this process and the others that map it.
         unsafe { self.ptr.as_ref() }
+    }
+
+    fn fingerprint(&self) -> &AtomicU64 {
+        // SAFETY: the second word of the same mapping, as above.
+        unsafe { &*self.ptr.as_ptr().add(1) }
     }
 }
 
 impl Drop for Lease {
     fn drop(&mut self) {
         // SAFETY: the mapping made by `map`, unmapped once; nothing refers to it any more.
-        unsafe { libc::munmap(self.ptr.as_ptr().cast(), 8) };
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), LEASE_BYTES) };
+    }
+}
+
+/// Creates a new export's lease file, fingerprinted and locked, under its final name (made
+/// whole under a temporary name first, so no importer ever sees it short).
+fn create_lease(token: &[u8; 16], fingerprint: u64) -> Result<(Lease, std::path::PathBuf)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = lease_path(token);
+    let tmp = std::path::Path::new(LEASE_DIR).join(format!(".{LEASE_PREFIX}{}", hex(token)));
+    let made = (|| {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&tmp)?;
+        file.set_len(LEASE_BYTES as u64)?;
+        // SAFETY: `flock` on our open file; held as long as the file is open (the export).
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut lease = Lease::map(&file)?;
+        lease.fingerprint().store(fingerprint, Ordering::Release);
+        std::fs::rename(&tmp, &path)?;
+        lease._file = Some(file);
+        Ok(lease)
+    })();
+    match made {
+        Ok(l) => Ok((l, path)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(io_err("creating the export's lease file", &path, e))
+        }
     }
 }
 
@@ -284,21 +415,27 @@ fn io_err(op: &'static str, path: &std::path::Path, e: std::io::Error) -> Error 
     Error::with_cause(op, path.display().to_string(), e)
 }
 
-/// Removes the lease files of exporting processes that are gone (their buffers went with
-/// them). Once per process.
+/// Removes the lease files no exporter holds any more (the exporter holds its file's lock while
+/// the export lives; a process that ended let go of its locks). Once per process. Files it
+/// cannot open or lock (another user's, or live) are left alone.
 fn sweep_dead_exporters() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
     static ONCE: OnceLock<()> = OnceLock::new();
     ONCE.get_or_init(|| {
-        let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+        let Ok(dir) = std::fs::read_dir(LEASE_DIR) else { return };
         for entry in dir.flatten() {
             let name = entry.file_name();
-            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("mempool-ipc-")) else { continue };
-            let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<i32>().ok()) else { continue };
-            // SAFETY: `kill` with signal 0 sends nothing; it only asks whether `pid` exists.
-            let gone = unsafe { libc::kill(pid, 0) } != 0
-                && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-            if gone {
-                let _ = std::fs::remove_file(entry.path());
+            if !name.to_str().is_some_and(|n| n.starts_with(LEASE_PREFIX)) {
+                continue;
+            }
+            let path = entry.path();
+            let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path) else {
+                continue;
+            };
+            // SAFETY: `flock` on our open file: taken only if no exporter holds it.
+            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+                let _ = std::fs::remove_file(&path);
             }
         }
     });
@@ -326,7 +463,7 @@ impl Drop for IpcEvent {
 
 /// A buffer exported to other processes: its block is held (not freed, not reused) while it
 /// lives and while any importer holds a lease. See the [module](self).
-pub struct Exported<T: Send + 'static> {
+pub struct Exported<T: crate::AnyBitPattern> {
     inner: Option<Held<T>>,
     base: IpcHandle,
 }
@@ -338,9 +475,10 @@ struct Held<T> {
     event: Mutex<IpcEvent>,
     /// The file descriptors importers need (a pool's, or the physical allocations').
     fds: Vec<std::os::fd::OwnedFd>,
+    token: [u8; 16],
 }
 
-impl<T: Send + 'static> fmt::Debug for Exported<T> {
+impl<T: crate::AnyBitPattern> fmt::Debug for Exported<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Exported").field("handle", &self.base).field("leases", &self.leases()).finish()
     }
@@ -386,12 +524,11 @@ pub fn reclaim() -> usize {
 impl<T> Drop for Held<T> {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
+        our_tokens().lock().unwrap_or_else(|p| p.into_inner()).remove(&self.token);
     }
 }
 
-static NEXT_EXPORT: AtomicU64 = AtomicU64::new(1);
-
-impl<T: Send + 'static> Exported<T> {
+impl<T: crate::AnyBitPattern> Exported<T> {
     /// Exports `buffer` for other processes. Errors: memory that does not export (pinned host
     /// memory, a pool whose segment source has no export, an expandable buffer spanning more
     /// than [`MAX_FDS`] physical allocations or made without exportable handles), a failed
@@ -411,6 +548,7 @@ impl<T: Send + 'static> Exported<T> {
         ctx.bind_to_thread().map_err(|e| driver_error("binding the device", e))?;
         let ptr = buffer.device_ptr_raw();
         let mut mem = [0u8; 64];
+        let mut pool_key = [0u8; 16];
         let mut fds = Vec::new();
         let mut maps = Vec::new();
         let (via, offset) = match src {
@@ -433,9 +571,11 @@ impl<T: Send + 'static> Exported<T> {
                         ),
                     ));
                 };
-                let (fd, data) = r.map_err(|e| e.into_error("exporting the pool's memory"))?;
+                let (fd, data, pool) = r.map_err(|e| e.into_error("exporting the pool's memory"))?;
                 fds.push(fd);
                 mem = data;
+                pool_key[..8].copy_from_slice(&process_id().to_le_bytes());
+                pool_key[8..].copy_from_slice(&pool.to_le_bytes());
                 (Via::Pool, ptr - base)
             }
             ExportSource::Mapped(runs) => {
@@ -483,29 +623,14 @@ impl<T: Send + 'static> Exported<T> {
         let mut ev = sys::CUipcEventHandle { reserved: [0; 64] };
         // SAFETY: an out-parameter and a live interprocess event of the current context.
         check("cuIpcGetEventHandle", unsafe { sys::cuIpcGetEventHandle(&mut ev, event.event) })?;
-        let pid = std::process::id();
-        let export = NEXT_EXPORT.fetch_add(1, Ordering::Relaxed);
-        let path = lease_path(pid, export);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .open(&path)
-            .map_err(|e| io_err("creating the export's lease file", &path, e))?;
-        let lease = file.set_len(8).and_then(|()| Lease::map(&file));
-        let lease = match lease {
-            Ok(l) => l,
-            Err(e) => {
-                let _ = std::fs::remove_file(&path);
-                return Err(io_err("mapping the export's lease file", &path, e));
-            }
-        };
+        let token = random_token().map_err(|e| Error::caused_by("drawing an export token", e))?;
         let base = IpcHandle {
             via,
             boot_id: boot_id(),
             device_uuid: uuid.bytes.map(|b| b as u8),
-            pid,
-            export,
+            pid: std::process::id(),
+            token,
+            pool_key,
             mem,
             event: ev.reserved.map(|b| b as u8),
             offset,
@@ -513,7 +638,9 @@ impl<T: Send + 'static> Exported<T> {
             elem_size: std::mem::size_of::<T>() as u32,
             maps,
         };
-        Ok(Exported { inner: Some(Held { buffer, lease, path, event: Mutex::new(event), fds }), base })
+        let (lease, path) = create_lease(&token, base.fingerprint())?;
+        our_tokens().lock().unwrap_or_else(|p| p.into_inner()).insert(token);
+        Ok(Exported { inner: Some(Held { buffer, lease, path, event: Mutex::new(event), fds, token }), base })
     }
 
     /// The file descriptors that go with [`handle`](Self::handle) ([`IpcHandle::num_fds`]), for
@@ -530,20 +657,28 @@ impl<T: Send + 'static> Exported<T> {
         let ev = held.event.lock().unwrap_or_else(|p| p.into_inner());
         let stream = DeviceSlice::stream(&held.buffer);
         ev.ctx.bind_to_thread().map_err(|e| driver_error("binding the device", e))?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live stream (the buffer holds it) and an out-parameter.
+        check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(stream.cu_stream(), &mut status) })?;
+        if status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(Error::Capture {
+                what: "Exported::handle",
+                message: "the buffer's stream is being captured into a graph: the event importers wait for would be \
+                          a graph node, not the producer's work; make the handle outside the capture"
+                    .into(),
+            });
+        }
         // SAFETY: a live event of this context and a live stream of it (the buffer holds it).
         check("cuEventRecord", unsafe { sys::cuEventRecord(ev.event, stream.cu_stream()) })?;
         Ok(self.base.clone())
     }
 
-    /// The exported buffer (the producer may keep using it; ordering its later writes with the
-    /// importers' reads is up to the program, as with PyTorch's shared tensors).
+    /// The exported buffer (the producer may keep using it: `Exported` itself is a cudarc
+    /// slice, writable too; ordering its later writes with the importers' reads is up to the
+    /// program, as with PyTorch's shared tensors). Not handed out mutably: replacing it would
+    /// free memory importers hold.
     pub fn buffer(&self) -> &Buffer<T, Cuda> {
         &self.held().buffer
-    }
-
-    /// The exported buffer, mutably.
-    pub fn buffer_mut(&mut self) -> &mut Buffer<T, Cuda> {
-        &mut self.inner.as_mut().expect("held until drop").buffer
     }
 
     /// Leases out now (views open in other processes).
@@ -552,13 +687,35 @@ impl<T: Send + 'static> Exported<T> {
     }
 }
 
-impl<T: Send + 'static> Exported<T> {
+impl<T: crate::AnyBitPattern> Exported<T> {
     fn held(&self) -> &Held<T> {
         self.inner.as_ref().expect("held until drop")
     }
 }
 
-impl<T: Send + 'static> Drop for Exported<T> {
+impl<T: crate::AnyBitPattern> DeviceSlice<T> for Exported<T> {
+    fn len(&self) -> usize {
+        self.held().buffer.len()
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        DeviceSlice::stream(&self.held().buffer)
+    }
+}
+
+impl<T: crate::AnyBitPattern> DevicePtr<T> for Exported<T> {
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.held().buffer.device_ptr(stream)
+    }
+}
+
+impl<T: crate::AnyBitPattern> DevicePtrMut<T> for Exported<T> {
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+        self.inner.as_mut().expect("held until drop").buffer.device_ptr_mut(stream)
+    }
+}
+
+impl<T: crate::AnyBitPattern> Drop for Exported<T> {
     fn drop(&mut self) {
         let Some(held) = self.inner.take() else { return };
         if held.lease.counter().compare_exchange(0, CLOSED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
@@ -611,8 +768,8 @@ fn unmap(key: &MapKey) {
 enum Opened {
     /// A legacy mapping, shared per context (closed with its last view).
     Legacy(MapKey),
-    /// An imported stream-ordered pool and the pointer imported from it.
-    Pool { pool: sys::CUmemoryPool, base: u64 },
+    /// A pointer imported from a stream-ordered pool (shared per process; by export data).
+    Pool { key: [u8; 64], base: u64 },
     /// Imported physical allocations mapped into a reservation of this process.
     Mapped { base: u64, span: usize, handles: Vec<sys::CUmemGenericAllocationHandle> },
 }
@@ -660,11 +817,12 @@ pub fn import_with_fds<T: crate::AnyBitPattern>(
     fds: Vec<std::os::fd::OwnedFd>,
     stream: &Arc<CudaStream>,
 ) -> Result<Imported<T>> {
+    use std::os::unix::fs::OpenOptionsExt;
     let op = "importing a buffer";
     if handle.boot_id != boot_id() {
         return Err(Error::backend(op, "the handle was made on another machine, or before this machine restarted"));
     }
-    if handle.pid == std::process::id() {
+    if our_tokens().lock().unwrap_or_else(|p| p.into_inner()).contains(&handle.token) {
         return Err(Error::backend(op, "the handle was made by this process: use the exported buffer itself"));
     }
     if fds.len() != handle.num_fds() {
@@ -684,19 +842,32 @@ pub fn import_with_fds<T: crate::AnyBitPattern>(
             format!("{} bytes are not a whole number of {size}-byte elements", handle.bytes),
         ));
     }
-    if handle.via == Via::Mapped && handle.offset + handle.bytes > handle.maps.iter().sum::<u64>() {
-        return Err(Error::backend(op, "the buffer does not lie within the physical allocations the handle names"));
+    let end = handle.offset.checked_add(handle.bytes);
+    if handle.via == Via::Mapped {
+        let span = handle.maps.iter().try_fold(0u64, |a, &m| a.checked_add(m));
+        if end.zip(span).is_none_or(|(e, s)| e > s) {
+            return Err(Error::backend(op, "the buffer does not lie within the physical allocations the handle names"));
+        }
     }
-    let path = lease_path(handle.pid, handle.export);
+    let Some(end) = end else {
+        return Err(Error::backend(op, "the handle's offset and size overflow"));
+    };
+    let path = lease_path(&handle.token);
     let stale = |why: &str| {
         Error::backend(op, format!("the export is gone ({why}): its buffer was freed, or its process exited"))
     };
-    let file = match std::fs::OpenOptions::new().read(true).write(true).open(&path) {
+    let file = match std::fs::OpenOptions::new().read(true).write(true).custom_flags(libc::O_NOFOLLOW).open(&path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(stale("no lease file")),
         Err(e) => return Err(io_err("opening the export's lease file", &path, e)),
     };
     let lease = Lease::map(&file).map_err(|e| io_err("mapping the export's lease file", &path, e))?;
+    if lease.fingerprint().load(Ordering::Acquire) != handle.fingerprint() {
+        return Err(Error::backend(
+            op,
+            "the handle does not match its export's lease file (altered, or pieced together from two exports)",
+        ));
+    }
     if lease
         .counter()
         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| (c & CLOSED == 0).then_some(c + 1))
@@ -730,11 +901,24 @@ pub fn import_with_fds<T: crate::AnyBitPattern>(
     // SAFETY: the opened event, destroyed once (the wait keeps what it needs).
     let _ = unsafe { sys::cuEventDestroy_v2(ev) };
     waited?;
-    let opened = scopeguard::ScopeGuard::into_inner(opened);
-    let base = match &opened {
+    let base = match &*opened {
         Opened::Legacy(key) => opened_base(key),
         Opened::Pool { base, .. } | Opened::Mapped { base, .. } => *base,
     };
+    if !matches!(*opened, Opened::Mapped { .. }) {
+        // The handle's offset and size are only words: the allocation opened says how far the
+        // view may reach.
+        let (mut start, mut size) = (0, 0usize);
+        // SAFETY: out-parameters; `base` is the start of the allocation just opened here.
+        check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, base) })?;
+        if start != base || end > size as u64 {
+            return Err(Error::backend(
+                op,
+                format!("the handle names bytes {}..{end} of an allocation of {size} bytes", handle.offset),
+            ));
+        }
+    }
+    let opened = scopeguard::ScopeGuard::into_inner(opened);
     Ok(Imported {
         stream: stream.clone(),
         ptr: base + handle.offset,
@@ -792,33 +976,85 @@ fn access_desc(device: usize) -> sys::CUmemAccessDesc {
     d
 }
 
-/// Imports a stream-ordered pool from its descriptor and the allocation from its export data.
+/// Stream-ordered pools and pointers imported by this process, each once (the driver gives the
+/// same address when an allocation is imported again, so one free would pull it from under
+/// every view): counted, let go of with their last view.
+#[derive(Default)]
+struct PoolImports {
+    /// By pool key: the imported pool, the imports using it, the devices given access.
+    pools: HashMap<[u8; 16], (usize, usize, Vec<usize>)>,
+    /// By export data: the address, the views, the pool key.
+    ptrs: HashMap<[u8; 64], (u64, usize, [u8; 16])>,
+}
+
+fn pool_imports() -> &'static Mutex<PoolImports> {
+    static IMPORTS: OnceLock<Mutex<PoolImports>> = OnceLock::new();
+    IMPORTS.get_or_init(|| Mutex::new(PoolImports::default()))
+}
+
+/// Imports a stream-ordered pool from its descriptor (once per process) and the allocation
+/// from its export data (once per process), and gives `ctx`'s device access when it is not the
+/// pool's own.
 fn open_pool(handle: &IpcHandle, fds: Vec<std::os::fd::OwnedFd>, ctx: &Arc<CudaContext>) -> Result<Opened> {
     use std::os::fd::AsRawFd;
-    let fd = &fds[0];
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    // SAFETY: out-parameter; a POSIX descriptor handle is passed as the descriptor's value in
-    // the pointer argument, as the driver documents; the driver checks what it names.
-    check("cuMemPoolImportFromShareableHandle", unsafe {
-        sys::cuMemPoolImportFromShareableHandle(&mut pool, fd.as_raw_fd() as usize as *mut std::ffi::c_void, posix, 0)
-    })?;
-    let destroy = scopeguard::guard(pool, |p| {
-        // SAFETY: the pool imported above, given back once on this failure path.
-        let _ = unsafe { sys::cuMemPoolDestroy(p) };
-    });
-    if device_of(&handle.device_uuid) != Some(ctx.ordinal()) {
-        let d = access_desc(ctx.ordinal());
+    let mut im = pool_imports().lock().unwrap_or_else(|p| p.into_inner());
+    let device = ctx.ordinal();
+    let fresh_pool = !im.pools.contains_key(&handle.pool_key);
+    if fresh_pool {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let posix = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        // SAFETY: out-parameter; a POSIX descriptor handle is passed as the descriptor's value
+        // in the pointer argument, as the driver documents; the driver checks what it names.
+        check("cuMemPoolImportFromShareableHandle", unsafe {
+            sys::cuMemPoolImportFromShareableHandle(
+                &mut pool,
+                fds[0].as_raw_fd() as usize as *mut std::ffi::c_void,
+                posix,
+                0,
+            )
+        })?;
+        im.pools.insert(handle.pool_key, (pool as usize, 0, Vec::new()));
+    }
+    let forget_fresh = |im: &mut PoolImports| {
+        if fresh_pool {
+            if let Some((p, _, _)) = im.pools.remove(&handle.pool_key) {
+                // SAFETY: the pool imported above, used by nothing yet, given back once.
+                let _ = unsafe { sys::cuMemPoolDestroy(p as sys::CUmemoryPool) };
+            }
+        }
+    };
+    let (pool, _, access) = im.pools.get(&handle.pool_key).cloned().unwrap_or_default();
+    let pool = pool as sys::CUmemoryPool;
+    if device_of(&handle.device_uuid) != Some(device) && !access.contains(&device) {
+        let d = access_desc(device);
         // SAFETY: a live imported pool and one valid descriptor.
-        check("cuMemPoolSetAccess", unsafe { sys::cuMemPoolSetAccess(pool, &d, 1) })?;
+        if let Err(e) = check("cuMemPoolSetAccess", unsafe { sys::cuMemPoolSetAccess(pool, &d, 1) }) {
+            forget_fresh(&mut im);
+            return Err(e);
+        }
+        if let Some(p) = im.pools.get_mut(&handle.pool_key) {
+            p.2.push(device);
+        }
+    }
+    if let Some(e) = im.ptrs.get_mut(&handle.mem) {
+        e.1 += 1;
+        return Ok(Opened::Pool { key: handle.mem, base: e.0 });
     }
     let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
     data.reserved.copy_from_slice(&handle.mem);
     let mut base = 0;
     // SAFETY: out-parameter, the imported pool and the exporter's data for one of its
     // allocations (checked by the driver).
-    check("cuMemPoolImportPointer", unsafe { sys::cuMemPoolImportPointer(&mut base, pool, &mut data) })?;
-    Ok(Opened::Pool { pool: scopeguard::ScopeGuard::into_inner(destroy), base })
+    if let Err(e) = check("cuMemPoolImportPointer", unsafe { sys::cuMemPoolImportPointer(&mut base, pool, &mut data) })
+    {
+        forget_fresh(&mut im);
+        return Err(e);
+    }
+    im.ptrs.insert(handle.mem, (base, 1, handle.pool_key));
+    if let Some(p) = im.pools.get_mut(&handle.pool_key) {
+        p.1 += 1;
+    }
+    Ok(Opened::Pool { key: handle.mem, base })
 }
 
 /// Imports the physical allocations and maps them, in order, into a reservation of this
@@ -890,13 +1126,24 @@ fn open_mapped(handle: &IpcHandle, fds: Vec<std::os::fd::OwnedFd>, ctx: &Arc<Cud
 fn close(o: Opened) {
     match o {
         Opened::Legacy(key) => unmap(&key),
-        Opened::Pool { pool, base } => {
-            // SAFETY: the pointer imported from `pool`, freed once (the importer must free it
-            // before the exporter does: the lease keeps the exporter's allocation), then the
-            // imported pool, given back once.
-            unsafe {
-                let _ = sys::cuMemFree_v2(base);
-                let _ = sys::cuMemPoolDestroy(pool);
+        Opened::Pool { key, .. } => {
+            let mut im = pool_imports().lock().unwrap_or_else(|p| p.into_inner());
+            let Some(e) = im.ptrs.get_mut(&key) else { return };
+            e.1 -= 1;
+            if e.1 > 0 {
+                return;
+            }
+            let Some((base, _, pool_key)) = im.ptrs.remove(&key) else { return };
+            // SAFETY: the imported pointer, its last view gone, freed once (the importer frees
+            // it before the exporter does: the lease keeps the exporter's allocation).
+            let _ = unsafe { sys::cuMemFree_v2(base) };
+            let Some(p) = im.pools.get_mut(&pool_key) else { return };
+            p.1 -= 1;
+            if p.1 == 0 {
+                if let Some((pool, _, _)) = im.pools.remove(&pool_key) {
+                    // SAFETY: the imported pool, no pointer of it left, given back once.
+                    let _ = unsafe { sys::cuMemPoolDestroy(pool as sys::CUmemoryPool) };
+                }
             }
         }
         Opened::Mapped { base, span, handles } => {
@@ -926,7 +1173,8 @@ impl<T> Imported<T> {
 
     /// Makes `stream` wait for this view's own stream (a use on another stream).
     fn order<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
-        if stream.cu_stream() == self.stream.cu_stream() {
+        // Default streams share the null handle across contexts: the context tells them apart.
+        if stream.cu_stream() == self.stream.cu_stream() && stream.context() == self.stream.context() {
             return SyncOnDrop::Sync(None);
         }
         if stream.join(&self.stream).is_err() {
@@ -975,7 +1223,7 @@ impl<T> DevicePtrMut<T> for Imported<T> {
 /// Sends an export's handle ([`Exported::handle`]: an event after the work queued so far) and
 /// its file descriptors over a Unix stream socket (`SCM_RIGHTS`), as one message [`receive`]
 /// reads.
-pub fn send<T: Send + 'static>(sock: &std::os::unix::net::UnixStream, exported: &Exported<T>) -> Result<()> {
+pub fn send<T: crate::AnyBitPattern>(sock: &std::os::unix::net::UnixStream, exported: &Exported<T>) -> Result<()> {
     use std::os::fd::AsRawFd;
     let bytes = exported.handle()?.to_bytes();
     let mut msg = (bytes.len() as u32).to_le_bytes().to_vec();
@@ -986,7 +1234,6 @@ pub fn send<T: Send + 'static>(sock: &std::os::unix::net::UnixStream, exported: 
 
 /// Writes `data` with `fds` attached to its first byte.
 fn send_with_fds(sock: &std::os::unix::net::UnixStream, data: &[u8], fds: &[std::ffi::c_int]) -> std::io::Result<()> {
-    use std::io::Write;
     use std::os::fd::AsRawFd;
     let fd_bytes = std::mem::size_of_val(fds);
     // SAFETY: pure arithmetic on a length.
@@ -1022,84 +1269,94 @@ fn send_with_fds(sock: &std::os::unix::net::UnixStream, data: &[u8], fds: &[std:
             return Err(e);
         }
     };
-    // The descriptors went with the first bytes; the rest is plain data.
-    (&mut &*sock).write_all(&data[n..])
+    // The descriptors went with the first bytes; the rest is plain data (no SIGPIPE either).
+    let mut rest = &data[n..];
+    while !rest.is_empty() {
+        // SAFETY: sends from `rest`, a live slice, for the call.
+        let k = unsafe { libc::send(sock.as_raw_fd(), rest.as_ptr().cast(), rest.len(), libc::MSG_NOSIGNAL) };
+        if k < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        rest = &rest[k as usize..];
+    }
+    Ok(())
 }
 
 /// Reads one message of [`send`] from a Unix stream socket: the handle and its descriptors
-/// (received close-on-exec). Errors: the peer closed the socket, a message that is not a
-/// handle, descriptors cut short (more than [`MAX_FDS`]).
+/// (received close-on-exec). It reads exactly one message (its length first, then that many
+/// bytes), so messages sent back to back stay apart. Errors: the peer closed the socket, a
+/// message that is not a handle, descriptors cut short (more than [`MAX_FDS`]), descriptors
+/// that do not come with the message's first bytes.
 pub fn receive_handle(sock: &std::os::unix::net::UnixStream) -> Result<(IpcHandle, Vec<std::os::fd::OwnedFd>)> {
     use std::io::Read;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let op = "receiving an IPC handle";
     let io = |e: std::io::Error| Error::caused_by(op, e);
-    let max = 4 + FIXED + 8 * MAX_FDS;
-    let mut buf = vec![0u8; max];
-    let fd_bytes = MAX_FDS * std::mem::size_of::<std::ffi::c_int>();
-    // SAFETY: pure arithmetic on a length.
-    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
-    // SAFETY: a plain C struct; all zeros is an empty message.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control.as_mut_ptr().cast();
-    msg.msg_controllen = space as _;
-    let n = loop {
+    let mut fds = Vec::new();
+    let mut len4 = [0u8; 4];
+    let mut have = 0;
+    while have < 4 {
+        let fd_bytes = MAX_FDS * std::mem::size_of::<std::ffi::c_int>();
+        // SAFETY: pure arithmetic on a length.
+        let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+        let mut control = vec![0u64; space.div_ceil(8)];
+        let mut iov = libc::iovec { iov_base: len4[have..].as_mut_ptr().cast(), iov_len: 4 - have };
+        // SAFETY: a plain C struct; all zeros is an empty message.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
         // SAFETY: `msg` points at live buffers of the sizes it states, for the call.
         let n = unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n >= 0 {
-            break n as usize;
-        }
-        let e = std::io::Error::last_os_error();
-        if e.kind() != std::io::ErrorKind::Interrupted {
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
             return Err(io(e));
         }
-    };
-    // Every descriptor received is owned at once (closed on any error below).
-    let mut fds = Vec::new();
-    // SAFETY: walks the control messages the kernel wrote into `control` (`msg` says how many
-    // bytes); each `SCM_RIGHTS` payload is an array of descriptors now open in this process.
-    unsafe {
-        let mut c = libc::CMSG_FIRSTHDR(&msg);
-        while !c.is_null() {
-            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
-                let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
-                let data = libc::CMSG_DATA(c);
-                for i in 0..len / std::mem::size_of::<std::ffi::c_int>() {
-                    let fd = std::ptr::read_unaligned(data.cast::<std::ffi::c_int>().add(i));
-                    fds.push(OwnedFd::from_raw_fd(fd));
+        // Every descriptor received is owned at once (closed on any error below).
+        // SAFETY: walks the control messages the kernel wrote into `control` (`msg` says how
+        // many bytes); each `SCM_RIGHTS` payload is an array of descriptors now open here.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    let len = (*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize;
+                    let data = libc::CMSG_DATA(c);
+                    for i in 0..len / std::mem::size_of::<std::ffi::c_int>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<std::ffi::c_int>().add(i));
+                        fds.push(OwnedFd::from_raw_fd(fd));
+                    }
                 }
+                c = libc::CMSG_NXTHDR(&msg, c);
             }
-            c = libc::CMSG_NXTHDR(&msg, c);
         }
-    }
-    if n == 0 {
-        return Err(Error::backend(op, "the peer closed the socket"));
-    }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-        return Err(Error::backend(op, format!("more than {MAX_FDS} file descriptors: cut short")));
-    }
-    let mut have = n;
-    while have < 4 {
-        let k = (&mut &*sock).read(&mut buf[have..4]).map_err(io)?;
-        if k == 0 {
-            return Err(Error::backend(op, "the peer closed the socket mid-message"));
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            return Err(Error::backend(op, format!("more than {MAX_FDS} file descriptors: cut short")));
         }
-        have += k;
+        if n == 0 {
+            let what = if have == 0 { "the peer closed the socket" } else { "the peer closed the socket mid-message" };
+            return Err(Error::backend(op, what));
+        }
+        if have > 0 && !fds.is_empty() {
+            return Err(Error::backend(op, "file descriptors came after the message's first bytes"));
+        }
+        have += n as usize;
     }
-    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
-    if len > max - 4 {
+    let len = u32::from_le_bytes(len4) as usize;
+    if len > FIXED + 8 * MAX_FDS {
         return Err(Error::backend(op, format!("a message of {len} bytes is not a handle")));
     }
-    if have < 4 + len {
-        (&mut &*sock).read_exact(&mut buf[have..4 + len]).map_err(io)?;
-    } else if have > 4 + len {
-        return Err(Error::backend(op, "more bytes than one handle: send one handle per message"));
-    }
-    Ok((IpcHandle::from_bytes(&buf[4..4 + len])?, fds))
+    let mut buf = vec![0u8; len];
+    // `read_exact` retries on EINTR; descriptors never come after the first bytes (`send`).
+    (&mut &*sock).read_exact(&mut buf).map_err(io)?;
+    Ok((IpcHandle::from_bytes(&buf)?, fds))
 }
 
 /// [`receive_handle`] and [`import_with_fds`]: the buffer another process [`send`]s, opened on

@@ -271,6 +271,11 @@ pub trait MapGuard: Send + Sync + 'static {
     fn unmapping(&self, addr: u64, size: usize) -> Result<(), String>;
 }
 
+/// A segment of a stream-ordered driver pool as another process opens it
+/// ([`RawAllocator::ipc_export`]): the pool's POSIX file descriptor, the allocation's
+/// `CUmemPoolPtrExportData`, and a number naming the pool among this process's pools.
+pub type PoolExport = (std::os::fd::OwnedFd, [u8; 64], u64);
+
 /// Where a user pool's segments come from: your own alloc/free functions (PyTorch's pluggable
 /// allocator functions).
 ///
@@ -345,10 +350,11 @@ pub unsafe trait RawAllocator: Send + Sync + 'static {
         true
     }
     /// CUDA IPC ([`crate::ipc`]): the segment `addr` (one `alloc` of this source) in a form
-    /// another process can open: a POSIX file descriptor of the driver pool it came from and
-    /// the pool's export data for the allocation (`cuMemPoolExportToShareableHandle`,
-    /// `cuMemPoolExportPointer`). `None` (the default): this source's memory does not export.
-    fn ipc_export(&self, addr: u64) -> Option<Result<(std::os::fd::OwnedFd, [u8; 64]), BackendError>> {
+    /// another process can open: a POSIX file descriptor of the driver pool it came from, the
+    /// pool's export data for the allocation (`cuMemPoolExportToShareableHandle`,
+    /// `cuMemPoolExportPointer`), and a number naming the pool among this process's pools.
+    /// `None` (the default): this source's memory does not export.
+    fn ipc_export(&self, addr: u64) -> Option<Result<PoolExport, BackendError>> {
         let _ = addr;
         None
     }

@@ -291,7 +291,7 @@ unsafe impl RawAllocator for StreamOrderedAllocator {
         }
     }
 
-    fn ipc_export(&self, addr: u64) -> Option<Result<(std::os::fd::OwnedFd, [u8; 64]), BackendError>> {
+    fn ipc_export(&self, addr: u64) -> Option<Result<super::PoolExport, BackendError>> {
         if !self.exportable {
             return None;
         }
@@ -311,7 +311,7 @@ unsafe impl RawAllocator for StreamOrderedAllocator {
             // SAFETY: `addr` is a live allocation of this pool (a segment the caching layer
             // holds); the out-parameter is the driver's struct.
             unsafe { sys::cuMemPoolExportPointer(&mut data, addr) }.result().map_err(BackendError::from)?;
-            Ok((fd, data.reserved))
+            Ok((fd, data.reserved, self.pool as usize as u64))
         })())
     }
 
