@@ -275,3 +275,56 @@ fn pool_and_expandable_buffers_travel_with_their_descriptors() {
     let e = ipc::receive::<u32>(&mine, &s).unwrap_err();
     assert!(e.to_string().contains("closed"), "{e}");
 }
+
+/// The exporter exits while this process holds views of its buffers (a `cuMemAlloc` segment, an
+/// exportable stream-ordered pool's, an expandable segment's): the views' memory stays valid
+/// until they drop (the driver keeps it), their data intact and writable.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn views_outlive_the_exporting_process() {
+    const NAME: &str = "views_outlive_the_exporting_process";
+    const N: usize = 1 << 18;
+    if role().is_some() {
+        use std::io::Read;
+        use std::os::fd::FromRawFd;
+        // SAFETY: the parent made this process's stdin one end of a socket pair, owned here alone.
+        let sock = unsafe { std::os::unix::net::UnixStream::from_raw_fd(0) };
+        let a = Allocator::cuda(0).unwrap();
+        let s = a.current_stream();
+        let so =
+            StreamOrderedAllocator::new(0, StreamOrderedOptions { exportable: true, ..Default::default() }).unwrap();
+        let pool = MemPool::on(&a, PoolOptions::new().shared_allocator(Arc::new(so))).unwrap();
+        let expandable = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
+        let bufs = [a.alloc::<u32>(N).unwrap(), pool.alloc::<u32>(N).unwrap(), expandable.alloc::<u32>(N).unwrap()];
+        for (k, mut b) in bufs.into_iter().enumerate() {
+            s.memcpy_htod(&pattern(N, k, 7), &mut b).unwrap();
+            let e = Exported::new(b).unwrap();
+            ipc::send(&sock, &e).unwrap();
+            std::mem::forget(e); // still exported when the process ends
+        }
+        let mut go = [0u8; 1];
+        (&sock).read_exact(&mut go).unwrap();
+        std::process::exit(0); // no destructor runs: the process simply ends
+    }
+    let (mine, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    let mut c = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env("MEMPOOL_IPC_CHILD", "exporter")
+        .stdin(Stdio::from(std::os::fd::OwnedFd::from(theirs)))
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stream = stream_on(0);
+    let mut views: Vec<_> = (0..3).map(|_| ipc::receive::<u32>(&mine, &stream).unwrap()).collect();
+    for (k, v) in views.iter().enumerate() {
+        assert!(stream.clone_dtoh(v).unwrap() == pattern(N, k, 7), "view {k} before the exporter exits");
+    }
+    (&mine).write_all(&[1]).unwrap();
+    assert!(c.wait().unwrap().success(), "the exporter");
+    for (k, v) in views.iter_mut().enumerate() {
+        assert!(stream.clone_dtoh(&*v).unwrap() == pattern(N, k, 7), "view {k} after the exporter exited");
+        stream.memcpy_htod(&pattern(N, k, 8), v).unwrap();
+        assert!(stream.clone_dtoh(&*v).unwrap() == pattern(N, k, 8), "view {k} written after the exporter exited");
+    }
+    drop(views);
+}
