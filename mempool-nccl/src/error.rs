@@ -53,6 +53,9 @@ pub enum Error {
     },
     /// A window registration's rules were not met (checked before NCCL is called).
     Window(String),
+    /// Symmetric memory could not be set up or used (the reason; every rank of a failed
+    /// rendezvous gets one).
+    Symmetric(String),
     /// The communicator was destroyed or aborted.
     Closed,
     /// From mempool.
@@ -111,6 +114,7 @@ impl fmt::Display for Error {
                  collectives on it are not zero-copy"
             ),
             Error::Window(m) => write!(f, "window registration: {m}"),
+            Error::Symmetric(m) => write!(f, "symmetric memory: {m}"),
             Error::Closed => write!(f, "the communicator was destroyed or aborted"),
             Error::Mempool(e) => e.fmt(f),
             Error::Cuda(c) => match c.get().downcast_ref::<cudarc::driver::DriverError>() {

@@ -25,6 +25,7 @@
 //! | [`types`] | [`NcclType`], [`Bf16`], [`ReduceOp`] |
 //! | [`comm`] | [`Communicator`], [`Id`], collectives; how a communicator ends |
 //! | [`window`] | [`Window`]: a buffer registered for symmetric collectives, borrowed while registered |
+//! | [`symm`] | [`symm::SymmMemory`]: one allocation per rank mapped into every rank, signal pads, peer slices |
 //! | [`register`] | [`Registration`], [`Registrar`]: segments registered as a pool grows and shrinks |
 //! | [`env`](mod@env) | [`LaunchEnv`]: rank, world size and bootstrap address from torchrun, srun or mpirun |
 //!
@@ -41,6 +42,7 @@ pub mod error;
 mod handle;
 mod ledger;
 pub mod register;
+pub mod symm;
 pub mod types;
 pub mod window;
 

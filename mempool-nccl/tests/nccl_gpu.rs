@@ -483,3 +483,84 @@ fn all_reduce_captured_in_a_graph_on_an_nccl_pool() {
         drop((x, graph, reg, pool));
     });
 }
+
+/// Symmetric memory on every GPU (threads): each rank writes its data, a barrier, then every
+/// rank reads every rank's data through peer slices (copy engines, into its own memory too),
+/// 10,000 put/wait ping-pongs between ranks 0 and 1, a barrier with one rank arriving late, and
+/// every pad zero again at the end.
+#[test]
+#[ignore = "needs CUDA GPUs with NCCL"]
+fn symmetric_memory_patterns_signals_and_barriers() {
+    use mempool_nccl::symm::{symm_empty, CHANNELS};
+    const N: usize = 1 << 20;
+    let pattern =
+        |r: usize| -> Vec<u32> { (0..N as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ (r as u32 + 1)).collect() };
+    let results = on_every_gpu(move |comm| {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let stream = comm.context().new_stream().unwrap();
+        let symm = symm_empty::<u32>(&comm, N, &stream).unwrap();
+        assert_eq!((symm.buffer_ptrs().len(), symm.signal_pad_ptrs().len()), (world, world));
+        let mut mine = symm.peer(rank, &stream).unwrap();
+        stream.memcpy_htod(&pattern(rank), &mut mine).unwrap();
+        symm.barrier(0, &stream).unwrap();
+        let alloc = Allocator::cuda(comm.device()).unwrap();
+        for q in 0..world {
+            let theirs = symm.peer(q, &stream).unwrap();
+            assert!(stream.clone_dtoh(&theirs).unwrap() == pattern(q), "rank {rank} reads rank {q}");
+            let mut copy = alloc.alloc::<u32>(N).unwrap();
+            stream.memcpy_dtod(&theirs, &mut copy).unwrap();
+            assert!(stream.clone_dtoh(&copy).unwrap() == pattern(q), "rank {rank} copies rank {q}");
+        }
+        symm.barrier(1, &stream).unwrap();
+        if world >= 2 && rank < 2 {
+            let other = 1 - rank;
+            for _ in 0..10_000 {
+                if rank == 0 {
+                    symm.put_signal(other, 2, &stream).unwrap();
+                    symm.wait_signal(other, 2, &stream).unwrap();
+                } else {
+                    symm.wait_signal(other, 2, &stream).unwrap();
+                    symm.put_signal(other, 2, &stream).unwrap();
+                }
+            }
+        }
+        stream.synchronize().unwrap();
+        if rank == world - 1 {
+            std::thread::sleep(Duration::from_millis(200)); // arrives late
+        }
+        symm.barrier(3, &stream).unwrap();
+        stream.synchronize().unwrap();
+        let pad = symm.signal_pad_ptrs()[rank];
+        let mut words = vec![1u32; world * CHANNELS];
+        comm.context().bind_to_thread().unwrap();
+        // SAFETY: reads this rank's own pad (`world * CHANNELS` words, mapped for this device)
+        // into `words`, which has room for them; the stream's work is done.
+        let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(words.as_mut_ptr().cast(), pad, words.len() * 4) };
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+        assert!(words.iter().all(|&w| w == 0), "rank {rank}'s pad is zero again: {words:?}");
+        // Bad input: a rank or channel out of range.
+        assert!(symm.put_signal(world, 0, &stream).is_err());
+        assert!(symm.wait_signal(0, CHANNELS, &stream).is_err());
+        rank
+    });
+    assert_eq!(results.len(), gpus());
+}
+
+/// Ranks asking for different sizes: every rank gets the same clear error, nothing mapped.
+#[test]
+#[ignore = "needs CUDA GPUs with NCCL"]
+fn symmetric_memory_size_mismatch_fails_on_every_rank() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: a mismatch needs two ranks");
+        return;
+    }
+    let results = on_every_gpu(move |comm| {
+        let stream = comm.context().new_stream().unwrap();
+        let len = if comm.rank() == 0 { 1 << 20 } else { 1 << 22 };
+        mempool_nccl::symm::symm_empty::<f32>(&comm, len, &stream).map(|_| ()).map_err(|e| e.to_string())
+    });
+    for r in &results {
+        let e = r.as_ref().unwrap_err();
+        assert!(e.contains("same size"), "{e}");
+    }
+}

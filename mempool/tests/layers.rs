@@ -24,7 +24,7 @@ const LAYERS: &[&[&str]] = &[
 
 /// `mempool-nccl`, bottom first.
 const NCCL_LAYERS: &[&[&str]] =
-    &[&["error", "ledger", "types"], &["env", "alloc", "register"], &["handle"], &["comm"], &["window"]];
+    &[&["error", "ledger", "types"], &["env", "alloc", "register"], &["handle"], &["comm"], &["window", "symm"]];
 
 fn layer_of(layers: &[&[&str]], module: &str) -> Option<usize> {
     layers.iter().position(|row| row.contains(&module))

@@ -1,0 +1,413 @@
+//! Symmetric memory (PyTorch's `SymmetricMemory`): one allocation per rank of a communicator,
+//! each mapped into every rank's address space, so that kernels and copy engines move data peer
+//! to peer and ranks synchronise through signal pads, with no collective library in the way.
+//!
+//! ```no_run
+//! use mempool_nccl::{symm::symm_empty, Communicator};
+//! let comms = Communicator::all_local(&[0, 1])?;
+//! std::thread::scope(|s| {
+//!     for comm in &comms {
+//!         s.spawn(move || -> mempool_nccl::Result<()> {
+//!             let stream = comm.context().new_stream().map_err(mempool_nccl::Error::cuda)?;
+//!             let symm = symm_empty::<f32>(comm, 1 << 20, &stream)?; // collective
+//!             let peer = (comm.rank() + 1) % comm.world_size();
+//!             symm.put_signal(peer, 0, &stream)?;                     // "my data is ready"
+//!             symm.wait_signal(peer, 0, &stream)?;                    // "so is theirs"
+//!             let _theirs = symm.peer(peer, &stream)?;                // a cudarc slice of their memory
+//!             Ok(())
+//!         });
+//!     }
+//! });
+//! # Ok::<(), mempool_nccl::Error>(())
+//! ```
+//!
+//! **Allocation and rendezvous.** [`symm_empty`] is collective: every rank makes one physical
+//! allocation on its device (`cuMemCreate`: the data, then a signal pad of
+//! `world_size × channels` 32-bit words), the ranks exchange (process, size, handle, device)
+//! through the communicator's all-gather and check that every rank asked for the same size
+//! before anyone maps anything (all fail together, with the sizes in the error); then each rank
+//! maps every rank's allocation into its own address range, readable and writable by its own
+//! device (`cuMemMap`, `cuMemSetAccess`), zeroes its own pad, and a second all-gather tells
+//! everyone that every rank is mapped, after which each rank lets go of its handle (the mappings
+//! keep the memory). Ranks in one process (threads) share handles directly; ranks in several
+//! processes are not supported yet (a clear error on every rank).
+//!
+//! **Lifetime.** Each rank's [`SymmMemory`] owns its mappings only: dropping it waits for its
+//! device's work and unmaps them; another rank's memory stays alive as long as any rank maps it,
+//! so ranks may drop in any order.
+//!
+//! **Synchronisation.** [`put_signal`](SymmMemory::put_signal) writes 1 into a word of the
+//! destination's pad (`cuStreamWriteValue32`, ordered after the stream's earlier work, its
+//! writes included); [`wait_signal`](SymmMemory::wait_signal) makes the stream wait until the
+//! source's word in this rank's pad is 1 (`cuStreamWaitValue32`) and sets it back to 0, so pads
+//! are zero again after every protocol; [`barrier`](SymmMemory::barrier) signals every peer and
+//! waits for every peer. These queue stream work: a peer that never signals leaves the stream
+//! waiting.
+//!
+//! **Multicast stays off**: nothing here creates a multicast object.
+
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+
+use crate::comm::Communicator;
+use crate::error::{Error, Result};
+
+/// Signal words per peer in each pad (the channels of `put_signal` / `wait_signal`).
+pub const CHANNELS: usize = 16;
+
+fn cuda(op: &'static str, r: CUresult) -> Result<()> {
+    match r {
+        CUresult::CUDA_SUCCESS => Ok(()),
+        r => Err(Error::Symmetric(format!("{op}: {r:?}"))),
+    }
+}
+
+/// One rank's view of a symmetric allocation (see the [module](self)).
+pub struct SymmMemory<T> {
+    ctx: Arc<CudaContext>,
+    rank: usize,
+    world: usize,
+    len: usize,
+    /// Bytes of data (rounded up to 128), then the pad.
+    data_bytes: usize,
+    /// Bytes mapped per rank (a multiple of the granularity).
+    bytes: usize,
+    /// Where each rank's allocation is mapped in this process, for this rank's device.
+    bases: Vec<u64>,
+    _elem: PhantomData<T>,
+}
+
+impl<T> std::fmt::Debug for SymmMemory<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SymmMemory")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("len", &self.len)
+            .field("bases", &self.bases)
+            .finish()
+    }
+}
+
+// SAFETY: the value holds device addresses and a context, usable from any thread; no `T` lives
+// in it (the memory is device memory, reached through the driver).
+unsafe impl<T> Send for SymmMemory<T> {}
+// SAFETY: `&SymmMemory` only reads its fields and queues stream work.
+unsafe impl<T> Sync for SymmMemory<T> {}
+
+fn prop(device: usize) -> sys::CUmemAllocationProp {
+    // SAFETY: a plain C struct; all zeros is its "nothing requested" value.
+    let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    p.location =
+        mempool::backend::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device as i32);
+    p
+}
+
+/// Maps `handle` (`bytes`) into a fresh range, readable and writable by `device`.
+fn map(handle: sys::CUmemGenericAllocationHandle, bytes: usize, device: usize) -> Result<u64> {
+    let mut va = 0;
+    // SAFETY: out-parameter; a fresh range of `bytes` (a multiple of the granularity).
+    cuda("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut va, bytes, 0, 0, 0) })?;
+    // SAFETY: the range just reserved and a live handle of exactly `bytes`.
+    if let Err(e) = cuda("cuMemMap", unsafe { sys::cuMemMap(va, bytes, 0, handle, 0) }) {
+        // SAFETY: the reservation made above, empty, given back once.
+        let _ = unsafe { sys::cuMemAddressFree(va, bytes) };
+        return Err(e);
+    }
+    // SAFETY: a plain C struct of integers; all zeros is valid.
+    let mut d: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+    d.location =
+        mempool::backend::cuda::mem_location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, device as i32);
+    d.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    // SAFETY: the range just mapped whole; one valid descriptor.
+    if let Err(e) = cuda("cuMemSetAccess", unsafe { sys::cuMemSetAccess(va, bytes, &d, 1) }) {
+        // SAFETY: the mapping and reservation made above, undone once.
+        unsafe {
+            let _ = sys::cuMemUnmap(va, bytes);
+            let _ = sys::cuMemAddressFree(va, bytes);
+        }
+        return Err(e);
+    }
+    Ok(va)
+}
+
+/// Unmaps and frees the ranges of `bases`.
+fn unmap_all(bases: &[u64], bytes: usize) {
+    for &va in bases {
+        // SAFETY: a range `map` made, mapped whole, undone once.
+        unsafe {
+            let _ = sys::cuMemUnmap(va, bytes);
+            let _ = sys::cuMemAddressFree(va, bytes);
+        }
+    }
+}
+
+/// Gathers `mine` (the same number of words on every rank) from every rank, in rank order.
+fn gather(comm: &Communicator, mine: &[u64], stream: &Arc<CudaStream>) -> Result<Vec<u64>> {
+    let alloc = mempool::Allocator::cuda(comm.device())?;
+    let mut send = alloc.alloc::<u64>(mine.len())?;
+    stream.memcpy_htod(mine, &mut send).map_err(Error::cuda)?;
+    let mut all = alloc.alloc::<u64>(mine.len() * comm.world_size())?;
+    comm.all_gather(&send, &mut all, stream)?;
+    stream.clone_dtoh(&all).map_err(Error::cuda)
+}
+
+/// Allocates `len` elements of `T` on every rank of `comm` and maps them all everywhere
+/// (collective: every rank calls it, with the same `len`, on a stream of its device). See the
+/// [module](self). Errors, on every rank alike: ranks asking for different sizes, ranks in
+/// several processes (not supported yet), a device that cannot map a peer's memory.
+pub fn symm_empty<T: mempool::AnyBitPattern>(
+    comm: &Communicator,
+    len: usize,
+    stream: &Arc<CudaStream>,
+) -> Result<SymmMemory<T>> {
+    let (rank, world, device) = (comm.rank(), comm.world_size(), comm.device());
+    let ctx = comm.context().clone();
+    ctx.bind_to_thread().map_err(Error::cuda)?;
+    let data_bytes = len
+        .checked_mul(std::mem::size_of::<T>())
+        .and_then(|b| b.checked_next_multiple_of(128))
+        .ok_or_else(|| Error::Symmetric(format!("{len} elements overflow")))?;
+    let mut gran = 0usize;
+    let p = prop(device);
+    // SAFETY: out-parameter and a valid property struct.
+    cuda("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut gran,
+            &p,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+        )
+    })?;
+    let pad = world * CHANNELS * 4;
+    let bytes = (data_bytes + pad).next_multiple_of(gran.max(1));
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: out-parameter; a valid property struct for this device.
+    let made = cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &p, 0) });
+    // Every rank learns every rank's (process, size, handle, device, made) before anyone maps.
+    let mine = [u64::from(std::process::id()), bytes as u64, handle, device as u64, u64::from(made.is_ok())];
+    let all = gather(comm, &mine, stream);
+    let release = |h: sys::CUmemGenericAllocationHandle| {
+        if h != 0 {
+            // SAFETY: our own allocation's handle, released once.
+            let _ = unsafe { sys::cuMemRelease(h) };
+        }
+    };
+    let all = match all {
+        Ok(a) => a,
+        Err(e) => {
+            release(handle);
+            return Err(e);
+        }
+    };
+    let field = |r: usize, k: usize| all[5 * r + k];
+    let failure = if let Some(r) = (0..world).find(|&r| field(r, 4) == 0) {
+        Some(format!("rank {r} could not allocate its memory"))
+    } else if (0..world).any(|r| field(r, 0) != field(0, 0)) {
+        Some("the ranks are in several processes: symmetric memory across processes is not supported yet".into())
+    } else if (0..world).any(|r| field(r, 1) != bytes as u64) {
+        let sizes: Vec<u64> = (0..world).map(|r| field(r, 1)).collect();
+        Some(format!("every rank must ask for the same size; the ranks' allocations are {sizes:?} bytes"))
+    } else {
+        None
+    };
+    if let Some(why) = failure {
+        release(handle);
+        made?;
+        return Err(Error::Symmetric(why));
+    }
+    let mut bases = Vec::with_capacity(world);
+    let mut failed = None;
+    for r in 0..world {
+        match map(field(r, 2), bytes, device) {
+            Ok(va) => bases.push(va),
+            Err(e) => {
+                failed = Some(format!("rank {rank} could not map rank {r}'s memory: {e}"));
+                break;
+            }
+        }
+    }
+    if failed.is_none() {
+        // Zero our own pad before anyone signals into it.
+        // SAFETY: our own pad, inside the range mapped above for this device; the stream is
+        // this device's.
+        let r = unsafe { sys::cuMemsetD8Async(bases[rank] + data_bytes as u64, 0, pad, stream.cu_stream()) };
+        if let Err(e) = cuda("cuMemsetD8Async", r).and_then(|()| stream.synchronize().map_err(Error::cuda)) {
+            failed = Some(e.to_string());
+        }
+    }
+    // Everyone mapped (or someone failed) before any handle goes: the second exchange.
+    let ok = gather(comm, &[u64::from(failed.is_none())], stream);
+    let everyone = ok.as_ref().map(|v| v.iter().position(|&x| x == 0));
+    match (failed, everyone) {
+        (None, Ok(None)) => {
+            release(handle);
+            Ok(SymmMemory { ctx, rank, world, len, data_bytes, bytes, bases, _elem: PhantomData })
+        }
+        (why, other) => {
+            unmap_all(&bases, bytes);
+            release(handle);
+            let why = why.unwrap_or_else(|| match other {
+                Ok(Some(r)) => format!("rank {r} could not map the ranks' memory"),
+                Ok(None) => unreachable!("handled above"),
+                Err(e) => e.to_string(),
+            });
+            Err(Error::Symmetric(why))
+        }
+    }
+}
+
+impl<T> SymmMemory<T> {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The ranks.
+    pub fn world_size(&self) -> usize {
+        self.world
+    }
+
+    /// Elements per rank.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the allocation has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Every rank's data, as addresses this rank's device reads and writes (for kernels).
+    pub fn buffer_ptrs(&self) -> Vec<u64> {
+        self.bases.clone()
+    }
+
+    /// Every rank's signal pad (`world_size × CHANNELS` 32-bit words: rank `r`'s signal on
+    /// channel `c` to the pad's owner is word `r * CHANNELS + c`).
+    pub fn signal_pad_ptrs(&self) -> Vec<u64> {
+        self.bases.iter().map(|b| b + self.data_bytes as u64).collect()
+    }
+
+    fn check(&self, rank: usize, channel: usize, stream: &CudaStream) -> Result<()> {
+        if rank >= self.world {
+            return Err(Error::InvalidRank { rank, world_size: self.world });
+        }
+        if channel >= CHANNELS {
+            return Err(Error::Symmetric(format!("channel {channel} out of range (0..{CHANNELS})")));
+        }
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(Error::WrongDevice {
+                what: "a symmetric-memory signal",
+                expected: self.ctx.ordinal(),
+                found: stream.context().ordinal(),
+            });
+        }
+        Ok(())
+    }
+
+    fn word(&self, owner: usize, from: usize, channel: usize) -> u64 {
+        self.bases[owner] + self.data_bytes as u64 + ((from * CHANNELS + channel) * 4) as u64
+    }
+
+    /// Queues on `stream`: after its earlier work, rank `dst`'s pad word for (this rank,
+    /// `channel`) becomes 1.
+    pub fn put_signal(&self, dst: usize, channel: usize, stream: &CudaStream) -> Result<()> {
+        self.check(dst, channel, stream)?;
+        self.ctx.bind_to_thread().map_err(Error::cuda)?;
+        // SAFETY: a word of `dst`'s pad, mapped for this device; a live stream of this context.
+        cuda("cuStreamWriteValue32", unsafe {
+            sys::cuStreamWriteValue32_v2(stream.cu_stream(), self.word(dst, self.rank, channel), 1, 0)
+        })
+    }
+
+    /// Queues on `stream`: wait until rank `src` signalled on `channel`, then clear the word.
+    pub fn wait_signal(&self, src: usize, channel: usize, stream: &CudaStream) -> Result<()> {
+        self.check(src, channel, stream)?;
+        self.ctx.bind_to_thread().map_err(Error::cuda)?;
+        let w = self.word(self.rank, src, channel);
+        let eq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32;
+        // SAFETY: a word of this rank's own pad, mapped for this device; a live stream.
+        cuda("cuStreamWaitValue32", unsafe { sys::cuStreamWaitValue32_v2(stream.cu_stream(), w, 1, eq) })?;
+        // SAFETY: as above.
+        cuda("cuStreamWriteValue32", unsafe { sys::cuStreamWriteValue32_v2(stream.cu_stream(), w, 0, 0) })
+    }
+
+    /// Queues on `stream`: signal every other rank on `channel`, then wait for every other rank.
+    pub fn barrier(&self, channel: usize, stream: &CudaStream) -> Result<()> {
+        for r in (0..self.world).filter(|&r| r != self.rank) {
+            self.put_signal(r, channel, stream)?;
+        }
+        for r in (0..self.world).filter(|&r| r != self.rank) {
+            self.wait_signal(r, channel, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Rank `rank`'s data as a cudarc slice on `stream` (copies use the copy engines). Ordering
+    /// with the owner's writes is the program's (signals, barriers).
+    pub fn peer<'a>(&'a self, rank: usize, stream: &Arc<CudaStream>) -> Result<PeerSlice<'a, T>> {
+        self.check(rank, 0, stream)?;
+        Ok(PeerSlice { ptr: self.bases[rank], len: self.len, stream: stream.clone(), _owner: PhantomData })
+    }
+}
+
+impl<T> Drop for SymmMemory<T> {
+    fn drop(&mut self) {
+        // This device's work on the mappings is done before they go (other ranks' mappings, and
+        // so the memory, stay as long as they do).
+        if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
+            unmap_all(&self.bases, self.bytes);
+        }
+    }
+}
+
+/// A rank's data seen from this rank ([`SymmMemory::peer`]), on a stream of this rank's device.
+pub struct PeerSlice<'a, T> {
+    ptr: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+    _owner: PhantomData<&'a SymmMemory<T>>,
+}
+
+impl<T> std::fmt::Debug for PeerSlice<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerSlice").field("ptr", &format_args!("{:#x}", self.ptr)).field("len", &self.len).finish()
+    }
+}
+
+impl<T> PeerSlice<'_, T> {
+    fn order<'b>(&'b self, stream: &'b CudaStream) -> SyncOnDrop<'b> {
+        if stream.cu_stream() == self.stream.cu_stream() && stream.context() == self.stream.context() {
+            return SyncOnDrop::Sync(None);
+        }
+        if stream.join(&self.stream).is_err() {
+            let _ = self.stream.synchronize();
+        }
+        SyncOnDrop::Sync(Some(stream))
+    }
+}
+
+impl<T> DeviceSlice<T> for PeerSlice<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> DevicePtr<T> for PeerSlice<'_, T> {
+    fn device_ptr<'b>(&'b self, stream: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
+        (self.ptr, self.order(stream))
+    }
+}
+
+impl<T> DevicePtrMut<T> for PeerSlice<'_, T> {
+    fn device_ptr_mut<'b>(&'b mut self, stream: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
+        (self.ptr, self.order(stream))
+    }
+}
