@@ -55,8 +55,73 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSli
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 
-/// Signal words per peer in each pad (the channels of `put_signal` / `wait_signal`).
+/// Signal words per peer in each pad (the channels of `put_signal` / `wait_signal`). The last
+/// two ([`ALL_REDUCE_CHANNELS`]) are the all-reduce's barriers.
 pub const CHANNELS: usize = 16;
+/// The channels [`SymmMemory::one_shot_all_reduce`] uses (its barriers before and after).
+pub const ALL_REDUCE_CHANNELS: [usize; 2] = [CHANNELS - 2, CHANNELS - 1];
+
+/// `one_shot_sum_f32(const u64* ptrs, u32 world, float* out, u64 n)`: `out[i]` = the sum over
+/// ranks `r` of `((float*)ptrs[r])[i]` (grid-stride).
+const ONE_SHOT_PTX: &str = "
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry one_shot_sum_f32(.param .u64 p_ptrs, .param .u32 p_world, .param .u64 p_out, .param .u64 p_n)
+{
+    .reg .pred %p<3>;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<12>;
+    .reg .f32 %f<3>;
+    ld.param.u64 %rd1, [p_ptrs];
+    ld.param.u32 %r1, [p_world];
+    ld.param.u64 %rd2, [p_out];
+    ld.param.u64 %rd3, [p_n];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    mov.u32 %r2, %ctaid.x;
+    mov.u32 %r3, %ntid.x;
+    mov.u32 %r4, %tid.x;
+    mad.lo.u32 %r5, %r2, %r3, %r4;
+    mov.u32 %r6, %nctaid.x;
+    mul.lo.u32 %r7, %r6, %r3;
+    cvt.u64.u32 %rd4, %r5;
+    cvt.u64.u32 %rd5, %r7;
+OUTER:
+    setp.ge.u64 %p1, %rd4, %rd3;
+    @%p1 bra DONE;
+    shl.b64 %rd6, %rd4, 2;
+    mov.f32 %f1, 0f00000000;
+    mov.u32 %r8, 0;
+INNER:
+    setp.ge.u32 %p2, %r8, %r1;
+    @%p2 bra STORE;
+    mul.wide.u32 %rd7, %r8, 8;
+    add.u64 %rd8, %rd1, %rd7;
+    ld.global.u64 %rd9, [%rd8];
+    add.u64 %rd10, %rd9, %rd6;
+    ld.global.f32 %f2, [%rd10];
+    add.f32 %f1, %f1, %f2;
+    add.u32 %r8, %r8, 1;
+    bra INNER;
+STORE:
+    add.u64 %rd11, %rd2, %rd6;
+    st.global.f32 [%rd11], %f1;
+    add.u64 %rd4, %rd4, %rd5;
+    bra OUTER;
+DONE:
+    ret;
+}
+\0";
+
+/// The one-shot kernel and the device array of every rank's data address, made at first use.
+struct OneShot {
+    module: usize,
+    func: usize,
+    ptrs: mempool::Buffer<u64>,
+    sms: u32,
+}
 
 fn cuda(op: &'static str, r: CUresult) -> Result<()> {
     match r {
@@ -77,6 +142,7 @@ pub struct SymmMemory<T> {
     bytes: usize,
     /// Where each rank's allocation is mapped in this process, for this rank's device.
     bases: Vec<u64>,
+    one_shot: std::sync::OnceLock<OneShot>,
     _elem: PhantomData<T>,
 }
 
@@ -244,7 +310,17 @@ pub fn symm_empty<T: mempool::AnyBitPattern>(
     match (failed, everyone) {
         (None, Ok(None)) => {
             release(handle);
-            Ok(SymmMemory { ctx, rank, world, len, data_bytes, bytes, bases, _elem: PhantomData })
+            Ok(SymmMemory {
+                ctx,
+                rank,
+                world,
+                len,
+                data_bytes,
+                bytes,
+                bases,
+                one_shot: std::sync::OnceLock::new(),
+                _elem: PhantomData,
+            })
         }
         (why, other) => {
             unmap_all(&bases, bytes);
@@ -354,12 +430,102 @@ impl<T> SymmMemory<T> {
     }
 }
 
+impl SymmMemory<f32> {
+    fn one_shot(&self, stream: &Arc<CudaStream>) -> Result<&OneShot> {
+        if let Some(k) = self.one_shot.get() {
+            return Ok(k);
+        }
+        self.ctx.bind_to_thread().map_err(Error::cuda)?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: out-parameter; a NUL-terminated PTX text.
+        cuda("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, ONE_SHOT_PTX.as_ptr().cast()) })?;
+        let mut func: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: out-parameter, the module just loaded, a NUL-terminated name it defines.
+        let r = unsafe { sys::cuModuleGetFunction(&mut func, module, c"one_shot_sum_f32".as_ptr()) };
+        let unload = |e| {
+            // SAFETY: the module loaded above, unused, unloaded once.
+            let _ = unsafe { sys::cuModuleUnload(module) };
+            e
+        };
+        cuda("cuModuleGetFunction", r).map_err(unload)?;
+        let alloc = mempool::Allocator::cuda(self.ctx.ordinal()).map_err(|e| unload(e.into()))?;
+        let mut ptrs = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
+        stream.memcpy_htod(&self.bases, &mut ptrs).map_err(|e| unload(Error::cuda(e)))?;
+        let sms = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| unload(Error::cuda(e)))? as u32;
+        let made = OneShot { module: module as usize, func: func as usize, ptrs, sms };
+        if let Err(lost) = self.one_shot.set(made) {
+            // Another thread made one meanwhile: this one goes.
+            // SAFETY: the module this call loaded, never launched from, unloaded once.
+            let _ = unsafe { sys::cuModuleUnload(lost.module as sys::CUmodule) };
+        }
+        Ok(self.one_shot.get().expect("set above"))
+    }
+
+    /// A one-shot all-reduce (sum) of every rank's data into `out` on this rank (collective:
+    /// every rank calls it): a barrier, so every rank's data is written; a kernel on `stream`
+    /// that reads every rank's data through the peer mappings and writes the sums; a barrier,
+    /// so no rank writes its data again before everyone read it. Uses the channels
+    /// [`ALL_REDUCE_CHANNELS`]. `out` must hold at least [`len`](Self::len) elements, on this
+    /// rank's device.
+    pub fn one_shot_all_reduce<O>(&self, out: &mut O, stream: &Arc<CudaStream>) -> Result<()>
+    where
+        O: DevicePtrMut<f32> + DeviceSlice<f32>,
+    {
+        if out.len() < self.len {
+            return Err(Error::BufferTooShort { what: "one_shot_all_reduce", needed: self.len, len: out.len() });
+        }
+        self.check(self.rank, 0, stream)?;
+        let k = self.one_shot(stream)?;
+        self.barrier(ALL_REDUCE_CHANNELS[0], stream)?;
+        {
+            let (out_ptr, _sync) = out.device_ptr_mut(stream);
+            let (ptrs, _ptrs_sync) = k.ptrs.device_ptr(stream);
+            let (mut p_ptrs, mut p_world, mut p_out, mut p_n) = (ptrs, self.world as u32, out_ptr, self.len as u64);
+            let mut params: [*mut std::ffi::c_void; 4] = [
+                (&mut p_ptrs as *mut u64).cast(),
+                (&mut p_world as *mut u32).cast(),
+                (&mut p_out as *mut u64).cast(),
+                (&mut p_n as *mut u64).cast(),
+            ];
+            let blocks = (self.len.div_ceil(256) as u32).clamp(1, k.sms * 4);
+            self.ctx.bind_to_thread().map_err(Error::cuda)?;
+            // SAFETY: one_shot_sum_f32 takes (const u64*, u32, float*, u64): `ptrs` holds
+            // `world` addresses, each of `len` floats this device may read (the peer mappings,
+            // alive with `self`); `out` holds at least `len` floats of this device; the
+            // parameters live until the call returns.
+            cuda("cuLaunchKernel", unsafe {
+                sys::cuLaunchKernel(
+                    k.func as sys::CUfunction,
+                    blocks,
+                    1,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    stream.cu_stream(),
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            })?;
+        }
+        self.barrier(ALL_REDUCE_CHANNELS[1], stream)
+    }
+}
+
 impl<T> Drop for SymmMemory<T> {
     fn drop(&mut self) {
         // This device's work on the mappings is done before they go (other ranks' mappings, and
         // so the memory, stay as long as they do).
         if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
             unmap_all(&self.bases, self.bytes);
+            if let Some(k) = self.one_shot.take() {
+                // SAFETY: the module `one_shot` loaded, its launches done (synchronised above).
+                let _ = unsafe { sys::cuModuleUnload(k.module as sys::CUmodule) };
+            }
         }
     }
 }

@@ -530,6 +530,19 @@ fn symmetric_memory_patterns_signals_and_barriers() {
         }
         symm.barrier(3, &stream).unwrap();
         stream.synchronize().unwrap();
+        // A one-shot all-reduce of f32 symmetric memory: every rank gets the sum.
+        let f = symm_empty::<f32>(&comm, 1000, &stream).unwrap();
+        let vals: Vec<f32> = (0..1000).map(|i| (i * (rank + 1)) as f32).collect();
+        stream.memcpy_htod(&vals, &mut f.peer(rank, &stream).unwrap()).unwrap();
+        let mut out = alloc.alloc::<f32>(1000).unwrap();
+        for _ in 0..3 {
+            f.one_shot_all_reduce(&mut out, &stream).unwrap();
+        }
+        let want: Vec<f32> = (0..1000).map(|i| (1..=world).map(|k| (i * k) as f32).sum()).collect();
+        assert!(stream.clone_dtoh(&out).unwrap() == want, "rank {rank}: the one-shot sums");
+        let mut short = alloc.alloc::<f32>(999).unwrap();
+        assert!(f.one_shot_all_reduce(&mut short, &stream).is_err(), "an output too short is refused");
+        stream.synchronize().unwrap();
         let pad = symm.signal_pad_ptrs()[rank];
         let mut words = vec![1u32; world * CHANNELS];
         comm.context().bind_to_thread().unwrap();

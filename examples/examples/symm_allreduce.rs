@@ -1,0 +1,119 @@
+//! Small all-reduces on every GPU of the machine (one thread per GPU): NCCL's all-reduce on
+//! registered `ncclMemAlloc` pool buffers next to a one-shot all-reduce over symmetric memory
+//! (`mempool_nccl::symm`: every rank reads every rank's data through its peer mappings, with a
+//! signal-pad barrier before and after). Results checked; bus bandwidth as nccl-tests computes
+//! it (algbw × 2(n−1)/n), in one run.
+//!
+//! ```sh
+//! cargo run --release --example symm_allreduce            # 4 KiB .. 1 MiB
+//! cargo run --release --example symm_allreduce -- --iters 500
+//! ```
+//!
+//! NVLink multicast is never forced on (NCCL decides; nothing here creates a multicast object).
+
+use std::sync::{Arc, Barrier};
+use std::time::Instant;
+
+use mempool_nccl::symm::symm_empty;
+use mempool_nccl::{nccl_pool, Communicator, ReduceOp};
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+const SIZES: [usize; 5] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
+
+/// One rank: for every size, NCCL then symmetric memory, each timed over `iters` calls after a
+/// checked warm-up; returns (bytes, nccl seconds per call, symmetric seconds per call).
+fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usize, f64, f64)>> {
+    let (r, world) = (comm.rank(), comm.world_size());
+    let stream = comm.context().new_stream()?;
+    let pool = nccl_pool(comm.device())?;
+    let _registration = comm.register_pool(&pool)?;
+    let mut rows = Vec::new();
+    for bytes in SIZES {
+        let n = bytes / 4;
+        let mine: Vec<f32> = (0..n).map(|i| ((i % 97) + r) as f32).collect();
+        let want: Vec<f32> = (0..n).map(|i| (0..world).map(|q| ((i % 97) + q) as f32).sum()).collect();
+        // NCCL on a registered pool buffer, in place.
+        let mut buf = pool.alloc::<f32>(n)?;
+        stream.memcpy_htod(&mine, &mut buf)?;
+        comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream)?;
+        if stream.clone_dtoh(&buf)? != want {
+            return Err(format!("rank {r}: NCCL's sum is wrong at {bytes} bytes").into());
+        }
+        barrier.wait();
+        stream.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream)?;
+        }
+        stream.synchronize()?;
+        let nccl = t.elapsed().as_secs_f64() / iters as f64;
+        // Symmetric memory, one-shot, into a buffer of this rank.
+        let symm = symm_empty::<f32>(&comm, n, &stream)?;
+        stream.memcpy_htod(&mine, &mut symm.peer(r, &stream)?)?;
+        let mut out = mempool::Allocator::cuda(comm.device())?.alloc::<f32>(n)?;
+        symm.one_shot_all_reduce(&mut out, &stream)?;
+        if stream.clone_dtoh(&out)? != want {
+            return Err(format!("rank {r}: the one-shot sum is wrong at {bytes} bytes").into());
+        }
+        barrier.wait();
+        stream.synchronize()?;
+        let t = Instant::now();
+        for _ in 0..iters {
+            symm.one_shot_all_reduce(&mut out, &stream)?;
+        }
+        stream.synchronize()?;
+        let one_shot = t.elapsed().as_secs_f64() / iters as f64;
+        rows.push((bytes, nccl, one_shot));
+        barrier.wait();
+    }
+    Ok(rows)
+}
+
+fn main() -> Res<()> {
+    let mut iters = 200;
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, n] = &args[..] {
+        if flag == "--iters" {
+            iters = n.parse()?;
+        }
+    }
+    let gpus = mempool::device_count()?;
+    if gpus < 2 {
+        println!("symm_allreduce needs two GPUs; this machine has {gpus}");
+        return Ok(());
+    }
+    let comms = Communicator::all_local(&(0..gpus).collect::<Vec<_>>())?;
+    let barrier = Arc::new(Barrier::new(gpus));
+    let threads: Vec<_> = comms
+        .into_iter()
+        .map(|c| {
+            let b = barrier.clone();
+            std::thread::spawn(move || rank(c, iters, b))
+        })
+        .collect();
+    let mut results = Vec::new();
+    for t in threads {
+        results.push(t.join().map_err(|_| "a rank panicked")??);
+    }
+    let factor = 2.0 * (gpus as f64 - 1.0) / gpus as f64;
+    println!("# {gpus} GPUs, float32 sum, {iters} calls per size; the slowest rank's time per call");
+    println!(
+        "{:>10} {:>12} {:>12} {:>12} {:>12} {:>8}",
+        "bytes", "nccl_us", "nccl_busbw", "symm_us", "symm_busbw", "ratio"
+    );
+    for (i, &bytes) in SIZES.iter().enumerate() {
+        let nccl = results.iter().map(|r| r[i].1).fold(0.0, f64::max);
+        let symm = results.iter().map(|r| r[i].2).fold(0.0, f64::max);
+        let bw = |t: f64| bytes as f64 / t / 1e9 * factor;
+        println!(
+            "{bytes:>10} {:>12.2} {:>12.2} {:>12.2} {:>12.2} {:>8.2}",
+            nccl * 1e6,
+            bw(nccl),
+            symm * 1e6,
+            bw(symm),
+            nccl / symm
+        );
+    }
+    Ok(())
+}
