@@ -23,8 +23,8 @@
 //!
 //! **Allocation and rendezvous.** [`symm_empty`] is collective: every rank makes one physical
 //! allocation on its device (`cuMemCreate`: the data, then a signal pad of
-//! `world_size × channels` 32-bit words), the ranks exchange (process, size, handle, device)
-//! through the communicator's all-gather and check that every rank asked for the same size
+//! `world_size × (CHANNELS + 64)` 32-bit words: the channels, then the one-shot kernel's own),
+//! the ranks exchange (process, size, handle, device) through the communicator's all-gather and check that every rank asked for the same size
 //! before anyone maps anything (all fail together, with the sizes in the error); then each rank
 //! maps every rank's allocation into its own address range, readable and writable by its own
 //! device (`cuMemMap`, `cuMemSetAccess`), zeroes its own pad, and a second all-gather tells
@@ -55,62 +55,118 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSli
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 
-/// Signal words per peer in each pad (the channels of `put_signal` / `wait_signal`). The last
-/// two ([`ALL_REDUCE_CHANNELS`]) are the all-reduce's barriers.
+/// Signal words per peer in each pad (the channels of `put_signal` / `wait_signal`).
 pub const CHANNELS: usize = 16;
-/// The channels [`SymmMemory::one_shot_all_reduce`] uses (its barriers before and after).
-pub const ALL_REDUCE_CHANNELS: [usize; 2] = [CHANNELS - 2, CHANNELS - 1];
 
-/// `one_shot_sum_f32(const u64* ptrs, u32 world, float* out, u64 n)`: `out[i]` = the sum over
-/// ranks `r` of `((float*)ptrs[r])[i]` (grid-stride).
+/// Signal words per rank in each pad for the one-shot kernel's own barriers (before and after,
+/// one word per block, at most `ONE_SHOT_BLOCKS` blocks), after the `CHANNELS` words.
+const KERNEL_SLOTS: usize = 64;
+/// The one-shot kernel's most blocks (each block signals and waits for the same block of every
+/// peer: at most `KERNEL_SLOTS / 2`).
+const ONE_SHOT_BLOCKS: usize = KERNEL_SLOTS / 2;
+
+/// `one_shot_sync_f32(const u64* ptrs, const u64* pads, u32 world, u32 rank, u32 base,
+/// float* out, u64 n)`: a barrier inside the kernel (thread `t` of each block `b` sets word
+/// `base + rank*64 + b` of rank `t`'s pad with release semantics and waits, with acquire
+/// semantics, for word `base + t*64 + b` of its own pad, then clears it), then `out[i]` = the sum
+/// over ranks of their data (grid-stride, loads that skip L1), then the same barrier on words
+/// `+ 32`, so no rank writes its data again before every rank read it.
 const ONE_SHOT_PTX: &str = "
 .version 7.0
 .target sm_70
 .address_size 64
 
-.visible .entry one_shot_sum_f32(.param .u64 p_ptrs, .param .u32 p_world, .param .u64 p_out, .param .u64 p_n)
+.visible .entry one_shot_sync_f32(.param .u64 p_ptrs, .param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank,
+    .param .u32 p_base, .param .u64 p_out, .param .u64 p_n)
 {
-    .reg .pred %p<3>;
-    .reg .b32 %r<10>;
-    .reg .b64 %rd<12>;
+    .reg .pred %p<6>;
+    .reg .b32 %r<20>;
+    .reg .b64 %rd<24>;
     .reg .f32 %f<3>;
     ld.param.u64 %rd1, [p_ptrs];
+    ld.param.u64 %rd2, [p_pads];
     ld.param.u32 %r1, [p_world];
-    ld.param.u64 %rd2, [p_out];
-    ld.param.u64 %rd3, [p_n];
+    ld.param.u32 %r2, [p_rank];
+    ld.param.u32 %r3, [p_base];
+    ld.param.u64 %rd3, [p_out];
+    ld.param.u64 %rd4, [p_n];
     cvta.to.global.u64 %rd1, %rd1;
     cvta.to.global.u64 %rd2, %rd2;
-    mov.u32 %r2, %ctaid.x;
-    mov.u32 %r3, %ntid.x;
+    cvta.to.global.u64 %rd3, %rd3;
     mov.u32 %r4, %tid.x;
-    mad.lo.u32 %r5, %r2, %r3, %r4;
-    mov.u32 %r6, %nctaid.x;
-    mul.lo.u32 %r7, %r6, %r3;
-    cvt.u64.u32 %rd4, %r5;
-    cvt.u64.u32 %rd5, %r7;
+    mov.u32 %r5, %ctaid.x;
+    mov.u32 %r8, 1;
+    mov.u32 %r12, 0;
+    setp.ge.u32 %p1, %r4, %r1;
+    setp.eq.u32 %p2, %r4, %r2;
+    or.pred %p3, %p1, %p2;
+    @%p3 bra B1DONE;
+    mul.wide.u32 %rd5, %r4, 8;
+    add.u64 %rd6, %rd2, %rd5;
+    ld.global.u64 %rd7, [%rd6];
+    mad.lo.u32 %r6, %r2, 64, %r3;
+    add.u32 %r7, %r6, %r5;
+    mul.wide.u32 %rd8, %r7, 4;
+    add.u64 %rd9, %rd7, %rd8;
+    st.release.sys.global.u32 [%rd9], %r8;
+    mul.wide.u32 %rd10, %r2, 8;
+    add.u64 %rd11, %rd2, %rd10;
+    ld.global.u64 %rd12, [%rd11];
+    mad.lo.u32 %r9, %r4, 64, %r3;
+    add.u32 %r10, %r9, %r5;
+    mul.wide.u32 %rd13, %r10, 4;
+    add.u64 %rd14, %rd12, %rd13;
+SPIN1:
+    ld.acquire.sys.global.u32 %r11, [%rd14];
+    setp.eq.u32 %p4, %r11, 0;
+    @%p4 bra SPIN1;
+    st.relaxed.sys.global.u32 [%rd14], %r12;
+B1DONE:
+    bar.sync 0;
+    mov.u32 %r13, %ntid.x;
+    mad.lo.u32 %r14, %r5, %r13, %r4;
+    mov.u32 %r15, %nctaid.x;
+    mul.lo.u32 %r16, %r15, %r13;
+    cvt.u64.u32 %rd15, %r14;
+    cvt.u64.u32 %rd16, %r16;
 OUTER:
-    setp.ge.u64 %p1, %rd4, %rd3;
-    @%p1 bra DONE;
-    shl.b64 %rd6, %rd4, 2;
+    setp.ge.u64 %p5, %rd15, %rd4;
+    @%p5 bra CDONE;
+    shl.b64 %rd17, %rd15, 2;
     mov.f32 %f1, 0f00000000;
-    mov.u32 %r8, 0;
+    mov.u32 %r17, 0;
 INNER:
-    setp.ge.u32 %p2, %r8, %r1;
-    @%p2 bra STORE;
-    mul.wide.u32 %rd7, %r8, 8;
-    add.u64 %rd8, %rd1, %rd7;
-    ld.global.u64 %rd9, [%rd8];
-    add.u64 %rd10, %rd9, %rd6;
-    ld.global.f32 %f2, [%rd10];
+    setp.ge.u32 %p1, %r17, %r1;
+    @%p1 bra STORE;
+    mul.wide.u32 %rd18, %r17, 8;
+    add.u64 %rd19, %rd1, %rd18;
+    ld.global.u64 %rd20, [%rd19];
+    add.u64 %rd21, %rd20, %rd17;
+    ld.global.cg.f32 %f2, [%rd21];
     add.f32 %f1, %f1, %f2;
-    add.u32 %r8, %r8, 1;
+    add.u32 %r17, %r17, 1;
     bra INNER;
 STORE:
-    add.u64 %rd11, %rd2, %rd6;
-    st.global.f32 [%rd11], %f1;
-    add.u64 %rd4, %rd4, %rd5;
+    add.u64 %rd22, %rd3, %rd17;
+    st.global.f32 [%rd22], %f1;
+    add.u64 %rd15, %rd15, %rd16;
     bra OUTER;
-DONE:
+CDONE:
+    bar.sync 0;
+    @%p3 bra B2DONE;
+    add.u32 %r18, %r7, 32;
+    mul.wide.u32 %rd8, %r18, 4;
+    add.u64 %rd9, %rd7, %rd8;
+    st.release.sys.global.u32 [%rd9], %r8;
+    add.u32 %r19, %r10, 32;
+    mul.wide.u32 %rd13, %r19, 4;
+    add.u64 %rd14, %rd12, %rd13;
+SPIN2:
+    ld.acquire.sys.global.u32 %r11, [%rd14];
+    setp.eq.u32 %p4, %r11, 0;
+    @%p4 bra SPIN2;
+    st.relaxed.sys.global.u32 [%rd14], %r12;
+B2DONE:
     ret;
 }
 \0";
@@ -120,7 +176,7 @@ struct OneShot {
     module: usize,
     func: usize,
     ptrs: mempool::Buffer<u64>,
-    sms: u32,
+    pads: mempool::Buffer<u64>,
 }
 
 fn cuda(op: &'static str, r: CUresult) -> Result<()> {
@@ -247,7 +303,7 @@ pub fn symm_empty<T: mempool::AnyBitPattern>(
             sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
         )
     })?;
-    let pad = world * CHANNELS * 4;
+    let pad = world * (CHANNELS + KERNEL_SLOTS) * 4;
     let bytes = (data_bytes + pad).next_multiple_of(gran.max(1));
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: out-parameter; a valid property struct for this device.
@@ -441,7 +497,7 @@ impl SymmMemory<f32> {
         cuda("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, ONE_SHOT_PTX.as_ptr().cast()) })?;
         let mut func: sys::CUfunction = std::ptr::null_mut();
         // SAFETY: out-parameter, the module just loaded, a NUL-terminated name it defines.
-        let r = unsafe { sys::cuModuleGetFunction(&mut func, module, c"one_shot_sum_f32".as_ptr()) };
+        let r = unsafe { sys::cuModuleGetFunction(&mut func, module, c"one_shot_sync_f32".as_ptr()) };
         let unload = |e| {
             // SAFETY: the module loaded above, unused, unloaded once.
             let _ = unsafe { sys::cuModuleUnload(module) };
@@ -451,11 +507,9 @@ impl SymmMemory<f32> {
         let alloc = mempool::Allocator::cuda(self.ctx.ordinal()).map_err(|e| unload(e.into()))?;
         let mut ptrs = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
         stream.memcpy_htod(&self.bases, &mut ptrs).map_err(|e| unload(Error::cuda(e)))?;
-        let sms = self
-            .ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| unload(Error::cuda(e)))? as u32;
-        let made = OneShot { module: module as usize, func: func as usize, ptrs, sms };
+        let mut pads = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
+        stream.memcpy_htod(&self.signal_pad_ptrs(), &mut pads).map_err(|e| unload(Error::cuda(e)))?;
+        let made = OneShot { module: module as usize, func: func as usize, ptrs, pads };
         if let Err(lost) = self.one_shot.set(made) {
             // Another thread made one meanwhile: this one goes.
             // SAFETY: the module this call loaded, never launched from, unloaded once.
@@ -465,11 +519,12 @@ impl SymmMemory<f32> {
     }
 
     /// A one-shot all-reduce (sum) of every rank's data into `out` on this rank (collective:
-    /// every rank calls it): a barrier, so every rank's data is written; a kernel on `stream`
-    /// that reads every rank's data through the peer mappings and writes the sums; a barrier,
-    /// so no rank writes its data again before everyone read it. Uses the channels
-    /// [`ALL_REDUCE_CHANNELS`]. `out` must hold at least [`len`](Self::len) elements, on this
-    /// rank's device.
+    /// every rank calls it, each on a stream of its device): one kernel launch, which waits
+    /// for every rank (each rank's data written by its stream's earlier work), reads every
+    /// rank's data through the peer mappings, writes the sums, and waits for every rank again,
+    /// so no rank writes its data before everyone read it. The barriers are inside the kernel
+    /// (signal words of their own in the pads), as PyTorch's one-shot does. `out` must hold at
+    /// least [`len`](Self::len) elements, on this rank's device.
     pub fn one_shot_all_reduce<O>(&self, out: &mut O, stream: &Arc<CudaStream>) -> Result<()>
     where
         O: DevicePtrMut<f32> + DeviceSlice<f32>,
@@ -478,19 +533,34 @@ impl SymmMemory<f32> {
             return Err(Error::BufferTooShort { what: "one_shot_all_reduce", needed: self.len, len: out.len() });
         }
         self.check(self.rank, 0, stream)?;
+        if self.world > 1024 {
+            return Err(Error::Symmetric("the one-shot kernel serves at most 1,024 ranks".into()));
+        }
         let k = self.one_shot(stream)?;
-        self.barrier(ALL_REDUCE_CHANNELS[0], stream)?;
         {
             let (out_ptr, _sync) = out.device_ptr_mut(stream);
             let (ptrs, _ptrs_sync) = k.ptrs.device_ptr(stream);
-            let (mut p_ptrs, mut p_world, mut p_out, mut p_n) = (ptrs, self.world as u32, out_ptr, self.len as u64);
-            let mut params: [*mut std::ffi::c_void; 4] = [
+            let (pads, _pads_sync) = k.pads.device_ptr(stream);
+            let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n) = (
+                ptrs,
+                pads,
+                self.world as u32,
+                self.rank as u32,
+                (self.world * CHANNELS) as u32,
+                out_ptr,
+                self.len as u64,
+            );
+            let mut params: [*mut std::ffi::c_void; 7] = [
                 (&mut p_ptrs as *mut u64).cast(),
+                (&mut p_pads as *mut u64).cast(),
                 (&mut p_world as *mut u32).cast(),
+                (&mut p_rank as *mut u32).cast(),
+                (&mut p_base as *mut u32).cast(),
                 (&mut p_out as *mut u64).cast(),
                 (&mut p_n as *mut u64).cast(),
             ];
-            let blocks = (self.len.div_ceil(256) as u32).clamp(1, k.sms * 4);
+            let threads = 512u32.max((self.world as u32).next_multiple_of(32));
+            let blocks = (self.len.div_ceil(threads as usize) as u32).clamp(1, ONE_SHOT_BLOCKS as u32);
             self.ctx.bind_to_thread().map_err(Error::cuda)?;
             // SAFETY: one_shot_sum_f32 takes (const u64*, u32, float*, u64): `ptrs` holds
             // `world` addresses, each of `len` floats this device may read (the peer mappings,
@@ -502,7 +572,7 @@ impl SymmMemory<f32> {
                     blocks,
                     1,
                     1,
-                    256,
+                    threads,
                     1,
                     1,
                     0,
@@ -512,7 +582,7 @@ impl SymmMemory<f32> {
                 )
             })?;
         }
-        self.barrier(ALL_REDUCE_CHANNELS[1], stream)
+        Ok(())
     }
 }
 
