@@ -26,6 +26,10 @@ const SIZES: [usize; 5] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
 fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usize, f64, f64)>> {
     let (r, world) = (comm.rank(), comm.world_size());
     let stream = comm.context().new_stream()?;
+    // Buffers made on the stream the collectives run on (one made on another stream would be
+    // ordered with it on every call: cudarc's slices synchronise a foreign stream after use).
+    let alloc = mempool::Allocator::cuda(comm.device())?;
+    let _current = alloc.set_stream(&stream)?;
     let pool = nccl_pool(comm.device())?;
     let _registration = comm.register_pool(&pool)?;
     let mut rows = Vec::new();
@@ -51,7 +55,7 @@ fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usi
         // Symmetric memory, one-shot, into a buffer of this rank.
         let symm = symm_empty::<f32>(&comm, n, &stream)?;
         stream.memcpy_htod(&mine, &mut symm.peer(r, &stream)?)?;
-        let mut out = mempool::Allocator::cuda(comm.device())?.alloc::<f32>(n)?;
+        let mut out = alloc.alloc::<f32>(n)?;
         symm.one_shot_all_reduce(&mut out, &stream)?;
         if stream.clone_dtoh(&out)? != want {
             return Err(format!("rank {r}: the one-shot sum is wrong at {bytes} bytes").into());

@@ -509,6 +509,7 @@ impl SymmMemory<f32> {
         stream.memcpy_htod(&self.bases, &mut ptrs).map_err(|e| unload(Error::cuda(e)))?;
         let mut pads = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
         stream.memcpy_htod(&self.signal_pad_ptrs(), &mut pads).map_err(|e| unload(Error::cuda(e)))?;
+        stream.synchronize().map_err(|e| unload(Error::cuda(e)))?;
         let made = OneShot { module: module as usize, func: func as usize, ptrs, pads };
         if let Err(lost) = self.one_shot.set(made) {
             // Another thread made one meanwhile: this one goes.
@@ -539,8 +540,9 @@ impl SymmMemory<f32> {
         let k = self.one_shot(stream)?;
         {
             let (out_ptr, _sync) = out.device_ptr_mut(stream);
-            let (ptrs, _ptrs_sync) = k.ptrs.device_ptr(stream);
-            let (pads, _pads_sync) = k.pads.device_ptr(stream);
+            // Written once by a copy that completed (`one_shot` synchronises it): raw addresses,
+            // no ordering with their own stream needed.
+            let (ptrs, pads) = (k.ptrs.device_ptr_raw(), k.pads.device_ptr_raw());
             let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n) = (
                 ptrs,
                 pads,
