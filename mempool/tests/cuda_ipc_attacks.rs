@@ -15,6 +15,8 @@ use mempool::backend::stream_ordered::{StreamOrderedAllocator, StreamOrderedOpti
 use mempool::ipc::{self, Exported, IpcHandle};
 use mempool::{Allocator, MemPool, PoolOptions};
 
+mod common;
+
 const ROLE: &str = "REV14_IPC_CHILD";
 const HANDLES: &str = "REV14_IPC_HANDLES";
 /// Field offsets in `IpcHandle::to_bytes`.
@@ -95,29 +97,7 @@ fn stdin_socket() -> UnixStream {
 fn send_forged(sock: &UnixStream, handle: &[u8], fds: &[RawFd]) {
     let mut data = (handle.len() as u32).to_le_bytes().to_vec();
     data.extend_from_slice(handle);
-    let fd_bytes = std::mem::size_of_val(fds);
-    // SAFETY: pure arithmetic on a length.
-    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
-    // SAFETY: a plain C struct; all zeros is an empty message.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    if !fds.is_empty() {
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        // SAFETY: the control buffer has room for one header and `fds`, written inside it.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as _;
-            std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), fd_bytes);
-        }
-    }
-    // SAFETY: `msg` points at live buffers for the call.
-    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
+    let n = common::sock::sendmsg_raw(sock, &data, fds);
     assert_eq!(n as usize, data.len(), "sendmsg: {}", std::io::Error::last_os_error());
 }
 

@@ -12,6 +12,9 @@ use std::time::Duration;
 
 use mempool::ipc::{self, IpcHandle};
 
+mod common;
+use common::sock::sendmsg_raw;
+
 const MAGIC: [u8; 8] = *b"MPIPC\x00\x00\x02";
 /// The fixed part of `IpcHandle::to_bytes`.
 const FIXED: usize = 229;
@@ -45,35 +48,6 @@ fn framed(handle: &[u8]) -> Vec<u8> {
     let mut m = (handle.len() as u32).to_le_bytes().to_vec();
     m.extend_from_slice(handle);
     m
-}
-
-/// A hostile (or honest) sender: `data` with `fds` attached (SCM_RIGHTS), one `sendmsg`.
-fn sendmsg_raw(sock: &UnixStream, data: &[u8], fds: &[RawFd]) -> isize {
-    let fd_bytes = std::mem::size_of_val(fds);
-    // SAFETY: pure arithmetic on a length.
-    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
-    let mut control = vec![0u64; space.div_ceil(8)];
-    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
-    // SAFETY: a plain C struct; all zeros is an empty message.
-    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-    msg.msg_iov = &mut iov;
-    msg.msg_iovlen = 1;
-    if !fds.is_empty() {
-        msg.msg_control = control.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        // SAFETY: the control buffer has room for one header and `fds`, written inside it.
-        unsafe {
-            let c = libc::CMSG_FIRSTHDR(&msg);
-            (*c).cmsg_level = libc::SOL_SOCKET;
-            (*c).cmsg_type = libc::SCM_RIGHTS;
-            (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as _;
-            std::ptr::copy_nonoverlapping(fds.as_ptr().cast::<u8>(), libc::CMSG_DATA(c), fd_bytes);
-        }
-    }
-    // SAFETY: `msg` points at live buffers for the call.
-    let n = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) };
-    assert!(n >= 0, "sendmsg: {}", std::io::Error::last_os_error());
-    n
 }
 
 /// A pipe: (read end, non-blocking; write end). Every copy of the write end that is sent and

@@ -3,6 +3,7 @@
 
 pub(crate) mod mutate;
 pub(crate) mod ptx;
+pub(crate) mod sock;
 pub(crate) mod watch;
 
 use mempool::sim::SimDevice;
