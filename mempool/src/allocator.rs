@@ -346,7 +346,7 @@ impl<K: Kind> Allocator<K> {
     #[inline]
     fn alloc_at<T>(&self, len: usize, stream: StreamRef, pool: PoolRef) -> Result<Buffer<T, K>> {
         let elem = std::mem::size_of::<T>();
-        let bytes = len.checked_mul(elem).ok_or(Error::SizeOverflow { len, elem_size: elem })?;
+        let bytes = len.checked_mul(elem).ok_or_else(|| Error::SizeOverflow { len, elem_size: elem })?;
         if bytes == 0 {
             return Ok(Buffer::empty(self.shared.clone(), len, stream));
         }

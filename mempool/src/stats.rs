@@ -381,7 +381,26 @@ pub(crate) struct ThreadStats {
     cur: [AtomicI64; M],
     total: [AtomicU64; M],
     committed: [AtomicI64; M],
+    /// The block its thread cached last, while that free is not counted yet (a *deferred*
+    /// free, see `caching::tcache`): the cache slot's word (0: none), its size with the flags
+    /// [`DEF_SMALL`] and [`DEF_SPLIT`], and the bytes asked for. `cur` still counts the block
+    /// allocated; every reader takes it off ([`ThreadStats::deferred`]), so sums and censuses
+    /// are those of the true state. Written by the owner (set, cleared), and cleared by a
+    /// drain that takes the block (a compare-exchange on the word).
+    def_word: AtomicU64,
+    def_size: AtomicU64,
+    def_req: AtomicU64,
+    /// Deferred frees whose block its thread took back (an allocation and a free that cancel
+    /// out, counted in the totals only), per kind (`kind * ELIDED + field`): count, bytes,
+    /// bytes asked for, and of those, blocks and bytes of split segments.
+    elided: [AtomicU64; 2 * ELIDED],
 }
+
+/// Fields of `ThreadStats::elided` per kind.
+const ELIDED: usize = 5;
+/// `def_size` flags: the deferred block is small; its segment is split.
+const DEF_SMALL: u64 = 1 << 63;
+const DEF_SPLIT: u64 = 1 << 62;
 
 impl Default for ThreadStats {
     fn default() -> ThreadStats {
@@ -389,6 +408,10 @@ impl Default for ThreadStats {
             cur: std::array::from_fn(|_| AtomicI64::new(0)),
             total: std::array::from_fn(|_| AtomicU64::new(0)),
             committed: std::array::from_fn(|_| AtomicI64::new(0)),
+            def_word: AtomicU64::new(0),
+            def_size: AtomicU64::new(0),
+            def_req: AtomicU64::new(0),
+            elided: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
@@ -443,6 +466,70 @@ impl ThreadStats {
             if all > board.peak[s * 3].load(Ordering::Relaxed) {
                 board.census(s * 3, all);
             }
+        }
+    }
+
+    /// Its thread cached a block without counting the free (a deferred free): `word` is the
+    /// cache slot's word for it (never 0).
+    #[inline(always)]
+    pub(crate) fn defer(&self, word: u64, small: bool, size: usize, requested: usize, split: bool) {
+        let flags = if small { DEF_SMALL } else { 0 } | if split { DEF_SPLIT } else { 0 };
+        self.def_size.store(size as u64 | flags, Ordering::Relaxed);
+        self.def_req.store(requested as u64, Ordering::Relaxed);
+        self.def_word.store(word, Ordering::Release);
+    }
+
+    /// The deferred free is settled (counted, or cancelled by a reuse): by its thread.
+    #[inline(always)]
+    pub(crate) fn undefer(&self) {
+        self.def_word.store(0, Ordering::Release);
+    }
+
+    /// A drain took the block whose slot word is `word`: if it was the deferred one, it is no
+    /// longer (the drain counts its free).
+    pub(crate) fn undefer_taken(&self, word: u64) {
+        let _ = self.def_word.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// Its thread took its deferred block back: the free and this allocation cancel out; only
+    /// the totals move (`add_into` adds these to them).
+    #[inline(always)]
+    pub(crate) fn on_elided(&self, small: bool, size: usize, requested: usize, split: bool) {
+        let k = !small as usize * ELIDED;
+        let bump = |f: usize, n: u64| {
+            let a = &self.elided[k + f];
+            a.store(a.load(Ordering::Relaxed) + n, Ordering::Relaxed)
+        };
+        bump(0, 1);
+        bump(1, size as u64);
+        bump(2, requested as u64);
+        if split {
+            bump(3, 1);
+            bump(4, size as u64);
+        }
+    }
+
+    /// What the deferred block, if any, changes in public entry `i` (the block counts as
+    /// allocated in `cur`, but it is free: cached, and inactive-split if its segment is split).
+    #[inline]
+    fn deferred(&self, i: usize) -> i64 {
+        if self.def_word.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let v = self.def_size.load(Ordering::Relaxed);
+        let (small, split) = (v & DEF_SMALL != 0, v & DEF_SPLIT != 0);
+        let size = (v & !(DEF_SMALL | DEF_SPLIT)) as i64;
+        let (s, k) = (i / 3, i % 3);
+        if k != 0 && (k == 1) != small {
+            return 0;
+        }
+        match s {
+            ALLOCATION | ACTIVE => -1,
+            ALLOCATED_BYTES | ACTIVE_BYTES => -size,
+            REQUESTED_BYTES => -(self.def_req.load(Ordering::Relaxed) as i64),
+            INACTIVE_SPLIT if split => 1,
+            INACTIVE_SPLIT_BYTES if split => size,
+            _ => 0,
         }
     }
 
@@ -541,6 +628,11 @@ impl ThreadStats {
             let t = self.total[e].load(Ordering::Relaxed) + other.total[e].load(Ordering::Relaxed);
             self.total[e].store(t, Ordering::Relaxed);
         }
+        // A thread's deferred free is counted by the drain that took its block, before it is
+        // retired: nothing of it is left to carry over.
+        for (a, b) in self.elided.iter().zip(&other.elided) {
+            a.store(a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
     }
 
     /// Adds the current values and totals into `sum` (public entries).
@@ -548,10 +640,23 @@ impl ThreadStats {
         for e in 0..M {
             let (s, large) = (e / 2, e % 2);
             let (c, t) = (self.cur[e].load(Ordering::Relaxed), self.total[e].load(Ordering::Relaxed));
+            let f = large * ELIDED;
+            let elided = |x: usize| self.elided[f + x].load(Ordering::Relaxed);
+            let t = t + match s {
+                ALLOCATION | ACTIVE => elided(0),
+                ALLOCATED_BYTES | ACTIVE_BYTES => elided(1),
+                REQUESTED_BYTES => elided(2),
+                INACTIVE_SPLIT => elided(3),
+                INACTIVE_SPLIT_BYTES => elided(4),
+                _ => 0,
+            };
             for i in [s * 3, s * 3 + 1 + large] {
                 sum.cur[i] += c;
                 sum.total[i] += t;
             }
+        }
+        for i in 0..N {
+            sum.cur[i] += self.deferred(i);
         }
     }
 
@@ -559,10 +664,11 @@ impl ThreadStats {
     fn current(&self, i: usize) -> i64 {
         let (s, k) = (i / 3, i % 3);
         let at = |e: usize| self.cur[e].load(Ordering::Relaxed);
-        match k {
+        let c = match k {
             0 => at(s * 2) + at(s * 2 + 1),
             _ => at(s * 2 + k - 1),
-        }
+        };
+        c + self.deferred(i)
     }
 }
 

@@ -372,8 +372,8 @@ impl DeviceAllocator {
             return;
         }
         let mut st = self.lock();
-        for (b, split) in blocks {
-            st.free_cached(b, split);
+        for c in blocks {
+            st.free_cached(c);
         }
         self.unlock(st, false);
     }
@@ -587,14 +587,15 @@ impl DeviceAllocator {
     /// A block of this thread's cache for `req` (default pools), if there is one.
     #[inline(always)]
     fn take_cached(&self, req: &Request<'_>) -> Option<Allocation> {
-        let rounded = self.rounding.round(req.size)?;
         let stream = req.stream.key;
         let board = &self.caches.board;
-        let h = self.caches.with_mine(self.id, |tc| tc.take(board, stream, rounded, req.size))??;
+        // Bins are found by the bytes asked for: every cached block is the rounded size of
+        // its request (no rounding here).
+        let h = self.caches.with_mine(self.id, |tc| tc.take(board, stream, req.size))??;
         Some(Allocation {
             block: h.block,
             addr: h.addr,
-            size: rounded,
+            size: h.size,
             small: h.small,
             split: h.split,
             cacheable: true,
@@ -617,8 +618,8 @@ impl DeviceAllocator {
     fn malloc_locked(&self, req: &Request<'_>) -> Result<Allocation> {
         // This thread's cached large block goes back first: best fit sees it where it would be.
         let (mut st, held) = self.lock_taking_large(true);
-        if let Some((b, split)) = held {
-            st.free_cached(b, split);
+        if let Some(c) = held {
+            st.free_cached(c);
         }
         if let Some(e) = st.error.take() {
             return Err(e);
@@ -1299,8 +1300,8 @@ impl Drop for DeviceAllocator {
         self.caches.close(&mut cached);
         self.closing.store(true, Ordering::Relaxed);
         let mut st = self.lock();
-        for (b, split) in cached {
-            st.free_cached(b, split);
+        for c in cached {
+            st.free_cached(c);
         }
         let raw: Vec<BlockIdx> = st.raw.drain().map(|(_, b)| b).collect();
         for b in raw {

@@ -634,7 +634,11 @@ impl State {
             // Large blocks too: the cache keeps one, reused only while its free set is as it
             // was (so exactly where best fit would put it again), and filed back at this
             // thread's next locked call and before any segment is made.
-            cacheable: b.pool == Slot::DEFAULT && b.size < self.config.max_split_size,
+            // Only blocks of the rounded size of their request (not those that kept a rest too
+            // small to split off): a thread cache finds a block by the bytes asked for.
+            cacheable: b.pool == Slot::DEFAULT
+                && b.size < self.config.max_split_size
+                && self.config.round(b.requested) == Some(b.size),
             set: b.set.0,
             gen: self.sink.gens().get(b.set.0),
         }
@@ -705,22 +709,28 @@ impl State {
 
     /// A block a thread cache held goes back to its free set: its owner's free and its
     /// completion were counted when it was cached (as inactive-split if `split`, its segment's
-    /// state then), so only the filing is left.
-    pub(super) fn free_cached(&mut self, block: BlockIdx, split: bool) {
+    /// state then), so only the filing is left; or, for a deferred free (`uncounted`), they
+    /// are counted now.
+    pub(super) fn free_cached(&mut self, c: super::tcache::Cached) {
+        let block = c.block;
         let b = self.block(block);
         if b.state != BlockState::Allocated {
             debug_assert!(false, "a cached block that is not allocated: {block:?}");
             return;
         }
+        let (small, size, requested) = (b.small, b.size, b.requested);
         if crate::trace::enabled() {
             self.emit(Action::FreeRequested, block);
             self.emit(Action::FreeCompleted, block);
         }
-        // It is filed below as any freed block, which counts the merged block as inactive-split
-        // afresh; its own count from the cache goes first (as it was counted then: an
-        // expandable segment may have grown or been cut around it since).
-        if split {
-            let (small, size) = (self.block(block).small, self.block(block).size);
+        if c.uncounted {
+            // Cached blocks are never oversize.
+            self.sink.on_free_requested(small, size, requested, false);
+            self.sink.on_free_completed(small, size);
+        } else if c.split {
+            // It is filed below as any freed block, which counts the merged block as
+            // inactive-split afresh; its own count from the cache goes first (as it was counted
+            // then: an expandable segment may have grown or been cut around it since).
             self.sink.on_inactive_split(small, size, false);
         }
         self.file_free(block);

@@ -56,17 +56,28 @@ const MAX_BYTES: usize = 1 << 30;
 /// right after the free reuses it without the lock.
 const LARGE: usize = BINS;
 
-/// A slot's word for a block: its index (free-set key, never 0) and its split flag.
+/// A slot's word for a block: its index (free-set key, never 0), whether its free is not
+/// counted yet ([`UNCOUNTED`]), and its split flag.
 fn pack(block: BlockIdx, split: bool) -> u64 {
-    (u64::from(block.to_key()) << 1) | u64::from(split)
+    (u64::from(block.to_key()) << 2) | u64::from(split)
 }
 
-/// A block taken out of a cache, with the split flag its statistics were counted with when it
-/// was cached (its segment may have been split or cut since: expandable segments).
-pub(super) type Cached = (BlockIdx, bool);
+/// The bit of a slot word whose block's free is deferred (not counted yet).
+const UNCOUNTED: u64 = 2;
+
+/// A block taken out of a cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Cached {
+    pub(super) block: BlockIdx,
+    /// The split flag its statistics were counted with when it was cached (its segment may
+    /// have been split or cut since: expandable segments).
+    pub(super) split: bool,
+    /// Its free was deferred and is not counted: whoever files it counts it.
+    pub(super) uncounted: bool,
+}
 
 fn unpack(v: u64) -> Cached {
-    (BlockIdx::from_key((v >> 1) as u32), v & 1 == 1)
+    Cached { block: BlockIdx::from_key((v >> 2) as u32), split: v & 1 == 1, uncounted: v & UNCOUNTED != 0 }
 }
 
 /// The part of a thread cache other threads reach.
@@ -99,7 +110,8 @@ impl Shared {
         self.slots.iter().flatten().all(|s| s.load(Ordering::Acquire) == 0)
     }
 
-    /// Takes every cached block out (their statistics stay as they are: free).
+    /// Takes every cached block out (their statistics stay as they are: free, or for a
+    /// deferred free, allocated until the caller files it).
     pub(super) fn drain(&self, into: &mut Vec<Cached>) {
         if !self.filled.swap(false, Ordering::AcqRel) {
             return;
@@ -108,6 +120,7 @@ impl Shared {
             for s in bin {
                 let v = s.swap(0, Ordering::AcqRel);
                 if v != 0 {
+                    self.taken(v);
                     into.push(unpack(v));
                 }
             }
@@ -119,8 +132,17 @@ impl Shared {
     pub(super) fn drain_large(&self, into: &mut Vec<Cached>) {
         let v = self.slots[LARGE][0].swap(0, Ordering::AcqRel);
         if v != 0 {
+            self.taken(v);
             into.push(unpack(v));
             self.drains.fetch_add(1, Ordering::Release);
+        }
+    }
+
+    /// A drain took the block of word `v`: a deferred free becomes the drain's to count.
+    #[inline]
+    fn taken(&self, v: u64) {
+        if v & UNCOUNTED != 0 {
+            self.stats.undefer_taken(v);
         }
     }
 }
@@ -129,6 +151,8 @@ impl Shared {
 #[derive(Debug, Clone, Copy)]
 struct Meta {
     stream: StreamKey,
+    /// The blocks' size: the rounded size of `requested` (only such blocks are cached: see
+    /// `State::allocation`), so a bin is found by (stream, bytes asked for) alone.
     size: usize,
     /// The bytes asked for when these blocks were allocated (as the allocator's state records
     /// them): a block is reused only for a request of the same size, so the state stays exact.
@@ -142,16 +166,16 @@ struct Meta {
 }
 
 impl Meta {
-    /// Whether this bin holds blocks of (stream, size, bytes asked for).
+    /// Whether this bin holds blocks of (stream, bytes asked for).
     #[inline(always)]
-    fn holds(&self, stream: StreamKey, size: usize, requested: usize) -> bool {
-        self.n > 0 && self.keyed(stream, size, requested)
+    fn holds(&self, stream: StreamKey, requested: usize) -> bool {
+        self.n > 0 && self.keyed(stream, requested)
     }
 
-    /// Whether this bin is (or was last) for (stream, size, bytes asked for).
+    /// Whether this bin is (or was last) for (stream, bytes asked for).
     #[inline(always)]
-    fn keyed(&self, stream: StreamKey, size: usize, requested: usize) -> bool {
-        self.requested == requested && self.size == size && self.stream == stream
+    fn keyed(&self, stream: StreamKey, requested: usize) -> bool {
+        self.requested == requested && self.stream == stream
     }
 }
 
@@ -179,7 +203,18 @@ pub(super) struct Owner {
     victim: usize,
     /// The bin used last (always an index of `meta`).
     last: usize,
+    /// The block cached last, if its free is deferred: its slot's word (0: none), bin and
+    /// slot (its figures are its bin's: a bin is not given another key while it holds the
+    /// block, since a put settles first). At most one block is deferred; it is counted
+    /// (settled) before another is cached and before this thread takes the allocator's lock.
+    deferred: u64,
+    deferred_at: (u32, u32),
+    /// Puts left before frees are deferred again (after one that was not taken back).
+    defer_wait: u32,
 }
+
+/// Puts counted at once after a deferred free that was not taken back.
+const DEFER_WAIT: u32 = 64;
 
 /// Puts per window of the hit-rate check.
 const WINDOW: u32 = 256;
@@ -214,6 +249,7 @@ pub(super) enum Put {
 pub(super) struct Hit {
     pub(super) block: BlockIdx,
     pub(super) addr: u64,
+    pub(super) size: usize,
     pub(super) small: bool,
     pub(super) split: bool,
     pub(super) set: u32,
@@ -233,6 +269,9 @@ impl Owner {
             bypass: 0,
             victim: 0,
             last: 0,
+            deferred: 0,
+            deferred_at: (0, 0),
+            defer_wait: 0,
         }
     }
 
@@ -240,36 +279,36 @@ impl Owner {
         &self.shared.stats
     }
 
-    /// The bin holding blocks of (stream, size, bytes asked for), if one does: the bin used
-    /// last first (a thread that cycles one size finds it there), then the key's set (small
-    /// blocks) or the large bin.
+    /// The bin holding blocks of (stream, bytes asked for), if one does: the bin used last
+    /// first (a thread that cycles one size finds it there), then the large bin, then the
+    /// key's set.
     #[inline(always)]
-    fn find(&self, stream: StreamKey, size: usize, requested: usize) -> Option<usize> {
+    fn find(&self, stream: StreamKey, requested: usize) -> Option<usize> {
         let last = self.last;
-        if self.meta[last].holds(stream, size, requested) {
+        if self.meta[last].holds(stream, requested) {
             return Some(last);
         }
-        if !crate::rules::is_small(size) {
-            return self.meta[LARGE].holds(stream, size, requested).then_some(LARGE);
+        if self.meta[LARGE].holds(stream, requested) {
+            return Some(LARGE);
         }
         let set = set_of(stream, requested);
-        (set..set + WAYS).find(|&i| self.meta[i].holds(stream, size, requested))
+        (set..set + WAYS).find(|&i| self.meta[i].holds(stream, requested))
     }
 
     /// The bin a freed block of (stream, size, bytes asked for) goes to: the large bin, or in
     /// the key's set, the bin of that key (even empty: it is set up already), else an empty
     /// one, else the next victim.
     #[inline(always)]
-    fn bin_for(&mut self, stream: StreamKey, size: usize, requested: usize, small: bool) -> usize {
+    fn bin_for(&mut self, stream: StreamKey, requested: usize, small: bool) -> usize {
         if !small {
             return LARGE;
         }
         let last = self.last;
-        if self.meta[last].keyed(stream, size, requested) && last != LARGE {
+        if self.meta[last].keyed(stream, requested) && last != LARGE {
             return last;
         }
         let set = set_of(stream, requested);
-        if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].keyed(stream, size, requested)) {
+        if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].keyed(stream, requested)) {
             return i;
         }
         if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].n == 0) {
@@ -289,13 +328,50 @@ impl Owner {
         m.n = 0;
         self.bytes = self.bytes.saturating_sub(m.size);
         let v = self.shared.slots[LARGE][0].swap(0, Ordering::Acquire);
-        (v != 0).then(|| unpack(v))
+        (v != 0).then(|| self.own_taken(unpack(v)))
     }
 
-    /// A cached block for a request of `size` bytes (rounded) on `stream`, counted as allocated.
+    /// The owner took a block out to file it: if its free was the deferred one, the filing
+    /// counts it.
     #[inline(always)]
-    pub(super) fn take(&mut self, board: &Board, stream: StreamKey, size: usize, requested: usize) -> Option<Hit> {
-        let i = self.find(stream, size, requested)?;
+    fn own_taken(&mut self, c: Cached) -> Cached {
+        if c.uncounted {
+            self.deferred = 0;
+            self.shared.stats.undefer();
+        }
+        c
+    }
+
+    /// Counts the deferred free, if there is one (before another block is cached, and before
+    /// this thread takes the allocator's lock): its block stays cached, counted as free. A
+    /// drain that took the block first counted it.
+    #[inline(always)]
+    pub(super) fn settle(&mut self, board: &Board) {
+        if self.deferred != 0 {
+            self.settle_now(board);
+        }
+    }
+
+    #[inline(never)]
+    fn settle_now(&mut self, board: &Board) {
+        let word = std::mem::take(&mut self.deferred);
+        // Not taken back at once: count the next frees as they come for a while.
+        self.defer_wait = DEFER_WAIT;
+        let (bin, slot) = (self.deferred_at.0 as usize, self.deferred_at.1 as usize);
+        // Only the owner stores a block word into a slot, and it stored none into this one since
+        // (a put settles first): the slot holds this word, or 0 if a drain took it.
+        let s = &self.shared.slots[bin][slot];
+        if s.compare_exchange(word, word & !UNCOUNTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            let m = &self.meta[bin];
+            self.shared.stats.undefer();
+            self.shared.stats.on_cache(board, self.slack, m.small, m.size, m.requested, word & 1 == 1);
+        }
+    }
+
+    /// A cached block for a request of `requested` bytes on `stream`, counted as allocated.
+    #[inline(always)]
+    pub(super) fn take(&mut self, board: &Board, stream: StreamKey, requested: usize) -> Option<Hit> {
+        let i = self.find(stream, requested)?;
         // A large block only while its set is as it was when it was handed out: best fit would
         // give it again (otherwise it waits for this thread's next locked call).
         if i == LARGE && board.gens.get(self.meta[LARGE].set) != self.meta[LARGE].gen {
@@ -303,16 +379,24 @@ impl Owner {
         }
         self.last = i;
         let m = &mut self.meta[i];
+        let size = m.size;
         // Walk down past slots a drain emptied.
         while m.n > 0 {
             m.n -= 1;
             self.bytes -= size;
             let v = self.shared.slots[i][m.n].swap(0, Ordering::Acquire);
             if v != 0 {
-                let (block, split) = unpack(v);
-                let hit = Hit { block, addr: m.addr[m.n], small: m.small, split, set: m.set, gen: m.gen };
+                let Cached { block, split, uncounted } = unpack(v);
+                let hit = Hit { block, addr: m.addr[m.n], size, small: m.small, split, set: m.set, gen: m.gen };
                 self.hits += 1;
-                self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
+                if uncounted {
+                    // Its free was never counted: that free and this allocation cancel out.
+                    self.deferred = 0;
+                    self.shared.stats.undefer();
+                    self.shared.stats.on_elided(hit.small, size, requested, split);
+                } else {
+                    self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
+                }
                 return Some(hit);
             }
         }
@@ -343,13 +427,16 @@ impl Owner {
         if self.bytes + size > MAX_BYTES {
             return Put::Refused;
         }
-        let i = self.bin_for(stream, size, requested, small);
+        // At most one deferred free at a time.
+        self.settle(board);
+        let i = self.bin_for(stream, requested, small);
         self.last = i;
         let mut out = Put::Cached;
         let m = &mut self.meta[i];
         // The large bin holds one block: the one before goes back.
-        if m.n > 0 && (i == LARGE || !m.holds(stream, size, requested)) {
+        if m.n > 0 && (i == LARGE || !m.holds(stream, requested)) {
             let mut old = [None; PER_BIN];
+            // (No deferred free among them: it was settled above.)
             for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
@@ -362,20 +449,30 @@ impl Owner {
         } else if m.n == PER_BIN {
             return Put::Refused;
         }
-        if m.n == 0 && !m.keyed(stream, size, requested) {
+        if m.n == 0 && !m.keyed(stream, requested) {
             *m = Meta { stream, size, requested, small, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
         }
+        // The free is deferred (not counted) unless a deferred free was lately not taken back:
+        // a thread that frees and allocates the same size in turn then counts nothing but
+        // the totals (see `settle` and `take`).
+        let defer = self.defer_wait == 0;
+        let word = pack(block, split) | if defer { UNCOUNTED } else { 0 };
         // The slot at the count is 0 (owner invariant): nobody else writes a block into it.
         // Under loom a swap, checking that: loom lets a plain store slip between the read and
         // the write of another thread's swap (tokio-rs/loom#254, which C11 forbids); a swap
         // that finds the 0 it expects is the same step.
+        if defer {
+            // Recorded before the block is reachable: a drain that takes it finds the record.
+            self.shared.stats.defer(word, small, size, requested, split);
+        }
         #[cfg(not(loom))]
-        self.shared.slots[i][m.n].store(pack(block, split), Ordering::Release);
+        self.shared.slots[i][m.n].store(word, Ordering::Release);
         #[cfg(loom)]
-        assert_eq!(self.shared.slots[i][m.n].swap(pack(block, split), Ordering::AcqRel), 0, "owner invariant");
+        assert_eq!(self.shared.slots[i][m.n].swap(word, Ordering::AcqRel), 0, "owner invariant");
         m.addr[m.n] = addr;
         m.set = a.set;
         m.gen = a.gen;
+        let slot = m.n;
         m.n += 1;
         self.bytes += size;
         // Always stored (after the slot): a drain that cleared the flag without seeing the slot
@@ -384,7 +481,13 @@ impl Owner {
         if (size as i64) > self.slack / 2 {
             self.slack = self.slack.max(slack_for(size));
         }
-        self.shared.stats.on_cache(board, self.slack, small, size, requested, split);
+        if defer {
+            self.deferred = word;
+            self.deferred_at = (i as u32, slot as u32);
+        } else {
+            self.defer_wait -= 1;
+            self.shared.stats.on_cache(board, self.slack, small, size, requested, split);
+        }
         out
     }
 
@@ -398,6 +501,10 @@ impl Owner {
                 }
             }
             m.n = 0;
+        }
+        if std::mem::take(&mut self.deferred) != 0 {
+            // Its block went into `into` (or a drain took it): the filing counts it.
+            self.shared.stats.undefer();
         }
         self.bytes = 0;
     }
@@ -575,7 +682,9 @@ impl Registry {
         id: AllocatorId,
         take_large: bool,
     ) -> Option<(NonNull<ThreadStats>, i64, Option<Cached>)> {
+        let board = &self.board;
         self.with_mine(id, |o| {
+            o.settle(board);
             let large = if take_large { o.take_large() } else { None };
             (NonNull::from(o.stats()), o.slack, large)
         })
@@ -630,7 +739,10 @@ impl Registry {
     /// with one thread at a time the peaks stay exact.
     pub(super) fn reset_peaks(&self, id: AllocatorId) {
         let board = &self.board;
-        self.with_mine(id, |o| o.stats().commit_all(board));
+        self.with_mine(id, |o| {
+            o.settle(board);
+            o.stats().commit_all(board)
+        });
         {
             let _r = lock(&self.retired_lock);
             board.retired.commit_all(board);
@@ -685,13 +797,13 @@ mod loom_tests {
                 got
             });
             let mut mine = Vec::new();
-            if let Some(h) = own.take(&board, s, 512, 512) {
+            if let Some(h) = own.take(&board, s, 512) {
                 mine.push(h.block);
             }
             // A third block, cached while the drain may be under way.
             let p = own.put(&board, s, 512, &a(2, 512, 0x1400, false));
             assert!(matches!(p, Put::Cached));
-            while let Some(h) = own.take(&board, s, 512, 512) {
+            while let Some(h) = own.take(&board, s, 512) {
                 mine.push(h.block);
             }
             let mut drained = drainer.join().unwrap();
@@ -699,8 +811,11 @@ mod loom_tests {
             let mut left = Vec::new();
             reg.close(&mut left);
             let why = format!("reused {mine:?}, drained {drained:?}, left {left:?}");
-            let mut all: Vec<BlockIdx> =
-                mine.into_iter().chain(drained.drain(..).map(|c| c.0)).chain(left.into_iter().map(|c| c.0)).collect();
+            let mut all: Vec<BlockIdx> = mine
+                .into_iter()
+                .chain(drained.drain(..).map(|c| c.block))
+                .chain(left.into_iter().map(|c| c.block))
+                .collect();
             all.sort_by_key(|x| x.to_key());
             assert_eq!(all, vec![b(0), b(1), b(2)], "every block with exactly one party: {why}");
         });
@@ -725,25 +840,62 @@ mod loom_tests {
                 got
             });
             let mut mine = Vec::new();
-            if let Some(h) = own.take(&board, s, big, big) {
+            if let Some(h) = own.take(&board, s, big) {
                 // Reused, and freed again: it is back in the cache (the drain may take it now).
                 assert_eq!(h.block, b(0));
                 assert!(matches!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)), Put::Cached));
             }
             match own.put(&board, s, big, &a(1, big, 0x200_0000, false)) {
-                Put::Evicted(old) => mine.extend(old.into_iter().flatten().map(|c| c.0)),
+                Put::Evicted(old) => mine.extend(old.into_iter().flatten().map(|c| c.block)),
                 Put::Cached => {}
                 Put::Refused => panic!("the large bin refused a block"),
             }
-            mine.extend(own.take_large().map(|c| c.0));
+            mine.extend(own.take_large().map(|c| c.block));
             let mut drained = drainer.join().unwrap();
             let mut left = Vec::new();
             reg.close(&mut left);
             let why = format!("owner {mine:?}, drained {drained:?}, left {left:?}");
-            let mut all: Vec<BlockIdx> =
-                mine.into_iter().chain(drained.drain(..).map(|c| c.0)).chain(left.into_iter().map(|c| c.0)).collect();
+            let mut all: Vec<BlockIdx> = mine
+                .into_iter()
+                .chain(drained.drain(..).map(|c| c.block))
+                .chain(left.into_iter().map(|c| c.block))
+                .collect();
             all.sort_by_key(|x| x.to_key());
             assert_eq!(all, vec![b(0), b(1)], "every block with exactly one party: {why}");
+        });
+    }
+
+    /// A deferred free races a drain: exactly one party counts it (the owner's settle, if the
+    /// slot still held the block; else the drain, which took it uncounted), and the record the
+    /// sums read is cleared either way.
+    #[test]
+    fn deferred_free_is_counted_once() {
+        loom::model(|| {
+            let reg = Arc::new(Registry::default());
+            let mut own = reg.make();
+            let board = Board::default();
+            let s = StreamKey(7);
+            assert!(matches!(own.put(&board, s, 512, &a(0, 512, 0x1000, true)), Put::Cached));
+            assert!(own.deferred != 0, "the first free is deferred");
+            let r2 = reg.clone();
+            let drainer = loom::thread::spawn(move || {
+                let mut got = Vec::new();
+                r2.drain_all(&mut got);
+                got
+            });
+            own.settle(&board);
+            let drained = drainer.join().unwrap();
+            let by_drain = drained.iter().filter(|c| c.uncounted).count();
+            // The owner's counters: -1 allocation if it counted the free (the allocation itself
+            // was never counted here), with the deferred record taken off in the sum.
+            let cur = reg.sum().current(crate::stats::ALLOCATION * 3);
+            let by_owner = usize::from(cur == -1);
+            assert_eq!(by_owner + by_drain, 1, "counted once: owner {cur}, drained {drained:?}");
+            let mut left = Vec::new();
+            reg.close(&mut left);
+            assert!(left.iter().all(|c| !c.uncounted), "{left:?}");
+            assert_eq!(left.len() + drained.len(), 1);
+            drop(own);
         });
     }
 
