@@ -259,8 +259,12 @@ fn scope<K: Kind>(a: &Allocator<K>) {
             let _scope = pool.scope();
             pair(a, s)
         };
+        // Straight into the pool (`MemPool::alloc`, no scope lookup): a pool's cache hit
+        // against the default pools'.
+        let direct = pair_with(&|n| pool.alloc::<u8>(n).expect("alloc"), s);
         out!("scope pair_default {s} {default:.1}");
         out!("scope pair_in_scope {s} {inside:.1} ({:+.1}%)", (inside / default - 1.0) * 100.0);
+        out!("scope pair_pool_alloc {s} {direct:.1} ({:+.1}%)", (direct / default - 1.0) * 100.0);
     }
     // A scope entered and left around every pair: by hand, through `pool_scope!`, and through a
     // `#[with_pool]` function. The macros should cost what the guard costs.

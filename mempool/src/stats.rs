@@ -323,6 +323,10 @@ pub(crate) struct Board {
     members: Mutex<Vec<Arc<ThreadStats>>>,
     /// Written only under the registry's retired lock.
     pub(crate) retired: Arc<ThreadStats>,
+    /// Exited threads' elided pool allocations (see `ThreadStats::pool_elided`), moved here
+    /// under the members' lock when they retire; added to their pools' counters under the
+    /// allocator's lock.
+    retired_pools: Mutex<Vec<[u64; 5]>>,
 }
 
 impl Default for Board {
@@ -333,6 +337,7 @@ impl Default for Board {
             peak: std::array::from_fn(|_| AtomicI64::new(0)),
             members: Mutex::new(Vec::new()),
             retired: Arc::new(ThreadStats::default()),
+            retired_pools: Mutex::new(Vec::new()),
         }
     }
 }
@@ -390,6 +395,13 @@ pub(crate) struct ThreadStats {
     def_word: AtomicU64,
     def_size: AtomicU64,
     def_req: AtomicU64,
+    /// The deferred block's pool (its id; 0: the default pools).
+    def_pool: AtomicU64,
+    /// Deferred frees of one user pool's blocks that its thread took back, not yet added to
+    /// the pool's totals: the pool (id, slot; id 0: none), count, bytes, bytes asked for.
+    /// Written by its thread; added to the pool's counters (and zeroed) by its thread under
+    /// the allocator's lock, so readers of pool statistics, who hold that lock, see each once.
+    pool_elided: [AtomicU64; 5],
     /// Deferred frees whose block its thread took back (an allocation and a free that cancel
     /// out, counted in the totals only), per kind (`kind * ELIDED + field`): count, bytes,
     /// bytes asked for, and of those, blocks and bytes of split segments.
@@ -411,6 +423,8 @@ impl Default for ThreadStats {
             def_word: AtomicU64::new(0),
             def_size: AtomicU64::new(0),
             def_req: AtomicU64::new(0),
+            def_pool: AtomicU64::new(0),
+            pool_elided: std::array::from_fn(|_| AtomicU64::new(0)),
             elided: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
@@ -472,11 +486,54 @@ impl ThreadStats {
     /// Its thread cached a block without counting the free (a deferred free): `word` is the
     /// cache slot's word for it (never 0).
     #[inline(always)]
-    pub(crate) fn defer(&self, word: u64, small: bool, size: usize, requested: usize, split: bool) {
+    pub(crate) fn defer(&self, word: u64, small: bool, size: usize, requested: usize, split: bool, pool: u64) {
         let flags = if small { DEF_SMALL } else { 0 } | if split { DEF_SPLIT } else { 0 };
         self.def_size.store(size as u64 | flags, Ordering::Relaxed);
         self.def_req.store(requested as u64, Ordering::Relaxed);
+        self.def_pool.store(pool, Ordering::Relaxed);
         self.def_word.store(word, Ordering::Release);
+    }
+
+    /// Its thread took back a deferred block of user pool `(id, slot)`: the pool's totals
+    /// move by one allocation (added to the pool's counters at its next locked call).
+    #[inline(always)]
+    pub(crate) fn on_pool_elided(&self, id: u64, slot: u32, size: usize, requested: usize) {
+        let e = &self.pool_elided;
+        if e[0].load(Ordering::Relaxed) != id {
+            e[0].store(id, Ordering::Relaxed);
+            e[1].store(u64::from(slot), Ordering::Relaxed);
+        }
+        for (a, n) in e[2..].iter().zip([1, size as u64, requested as u64]) {
+            a.store(a.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+        }
+    }
+
+    /// The pool whose elided allocations this thread holds (id 0: none).
+    #[inline(always)]
+    pub(crate) fn pool_elided_id(&self) -> u64 {
+        self.pool_elided[0].load(Ordering::Relaxed)
+    }
+
+    /// Takes this thread's elided pool allocations out (by its thread, under the allocator's
+    /// lock): (pool id, slot, count, bytes, bytes asked for).
+    pub(crate) fn take_pool_elided(&self) -> Option<[u64; 5]> {
+        if self.pool_elided_id() == 0 {
+            return None;
+        }
+        let v = std::array::from_fn(|i| self.pool_elided[i].load(Ordering::Relaxed));
+        for a in &self.pool_elided {
+            a.store(0, Ordering::Relaxed);
+        }
+        Some(v)
+    }
+
+    /// This thread's deferred block if it is of pool `id`: (1, bytes, bytes asked for).
+    fn deferred_in_pool(&self, id: u64) -> [i64; 3] {
+        if id == 0 || self.def_word.load(Ordering::Acquire) == 0 || self.def_pool.load(Ordering::Relaxed) != id {
+            return [0; 3];
+        }
+        let size = (self.def_size.load(Ordering::Relaxed) & !(DEF_SMALL | DEF_SPLIT)) as i64;
+        [1, size, self.def_req.load(Ordering::Relaxed) as i64]
     }
 
     /// The deferred free is settled (counted, or cancelled by a reuse): by its thread.
@@ -689,6 +746,9 @@ impl Board {
         {
             let mut m = lock_members(&self.members);
             self.retired.absorb(t);
+            if let Some(e) = t.take_pool_elided() {
+                self.retired_pools.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+            }
             m.retain(|x| !Arc::ptr_eq(x, t));
         }
         self.retired.commit_all(self);
@@ -704,6 +764,34 @@ impl Board {
             m.iter().map(|t| t.current(i)).sum::<i64>() + self.retired.current(i)
         };
         self.peak[i].fetch_max(g.min(now), Ordering::Relaxed);
+    }
+
+    /// The deferred blocks of pool `id` over threads: count, bytes, bytes asked for (what
+    /// its counters hold as allocated but is free, cached).
+    pub(crate) fn pool_deferred(&self, id: u64) -> [i64; 3] {
+        let m = lock_members(&self.members);
+        let mut d = [0; 3];
+        for t in m.iter() {
+            for (x, y) in d.iter_mut().zip(t.deferred_in_pool(id)) {
+                *x += y;
+            }
+        }
+        d
+    }
+
+    /// Elided pool allocations not yet in their pools' counters: every other thread's for
+    /// pool `id` (count, bytes, bytes asked for), read; exited threads' for any pool, taken
+    /// (the caller, under the allocator's lock, adds them to their pools).
+    pub(crate) fn pool_elided(&self, id: u64, retired: &mut Vec<[u64; 5]>) -> [u64; 3] {
+        let m = lock_members(&self.members);
+        retired.append(&mut self.retired_pools.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut d = [0; 3];
+        for t in m.iter().filter(|t| t.pool_elided_id() == id) {
+            for (x, a) in d.iter_mut().zip(&t.pool_elided[2..]) {
+                *x += a.load(Ordering::Relaxed);
+            }
+        }
+        d
     }
 
     /// Every entry summed over threads.
@@ -762,12 +850,40 @@ impl Sum {
 }
 
 impl PoolCounters {
-    /// A block of this pool handed out.
+    /// A block of this pool handed out; `deferred` gives the pool's blocks that threads hold
+    /// as deferred frees (counted allocated here, but free), asked only at a new peak.
     #[inline(always)]
-    pub(crate) fn on_alloc(&mut self, size: usize, requested: usize) {
-        self.allocation.add(1);
-        self.allocated_bytes.add(size);
-        self.requested_bytes.add(requested);
+    pub(crate) fn on_alloc(&mut self, size: usize, requested: usize, deferred: impl FnOnce() -> [i64; 3]) {
+        let t = [&mut self.allocation, &mut self.allocated_bytes, &mut self.requested_bytes];
+        let mut rising = false;
+        for (t, n) in t.into_iter().zip([1, size, requested]) {
+            t.cur += n as i64;
+            t.total += n as u64;
+            rising |= t.cur > t.peak;
+        }
+        if rising {
+            let d = deferred();
+            let t = [&mut self.allocation, &mut self.allocated_bytes, &mut self.requested_bytes];
+            for (t, d) in t.into_iter().zip(d) {
+                t.peak = t.peak.max(t.cur - d);
+            }
+        }
+    }
+
+    /// Allocations of this pool that a thread made and freed in turn without counting (a
+    /// deferred free taken back): totals only.
+    pub(crate) fn on_elided(&mut self, n: u64, bytes: u64, requested: u64) {
+        self.allocation.total += n;
+        self.allocated_bytes.total += bytes;
+        self.requested_bytes.total += requested;
+    }
+
+    /// The figures with `extra` elided allocations (count, bytes, bytes asked for) not yet
+    /// added, for a report.
+    pub(crate) fn with_elided(&self, extra: [u64; 3]) -> PoolCounters {
+        let mut c = self.clone();
+        c.on_elided(extra[0], extra[1], extra[2]);
+        c
     }
 
     /// A block of this pool freed by its owner.

@@ -139,12 +139,17 @@ pub(crate) struct Allocation {
     pub(crate) small: bool,
     /// Its segment is split (this cannot change while the block is allocated).
     pub(crate) split: bool,
-    /// A thread cache may take it when it is freed (default pools, not oversize).
+    /// Its pool.
+    pub(crate) pool: PoolRef,
+    /// A thread cache may take it when it is freed (see `State::allocation`).
     pub(crate) cacheable: bool,
     /// Its free set, and that set's generation right after it was handed out.
     pub(crate) set: u32,
     pub(crate) gen: u64,
 }
+
+/// User pool slots whose blocks thread caches may hold (see `DeviceAllocator::pool_live`).
+const CACHED_POOLS: usize = 64;
 
 /// What mapping more memory for a request came to.
 enum Grown<'a> {
@@ -176,6 +181,10 @@ pub(crate) struct DeviceAllocator {
     closing: AtomicBool,
     /// Graph captures under way (`capture.rs`); changed under the lock.
     capturing: AtomicUsize,
+    /// The live user pool of each of the first `CACHED_POOLS` slots (its id; 0: none, or
+    /// released): a freed block of a user pool goes to a thread cache only while its pool is
+    /// live (a released pool gives its memory back as its last block is freed).
+    pool_live: [AtomicU64; CACHED_POOLS],
     /// The memory is host-visible (pinned host memory): `Backend::host_visible`.
     host_visible: bool,
     /// The outbox items that calls made from inside the outbox's own run (a hook or a pool
@@ -294,6 +303,7 @@ impl DeviceAllocator {
             has_error: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             capturing: AtomicUsize::new(0),
+            pool_live: std::array::from_fn(|_| AtomicU64::new(0)),
             host_visible,
             nested_target: AtomicU64::new(0),
         }
@@ -315,18 +325,18 @@ impl DeviceAllocator {
     /// Locks; `take_large`: also takes this thread's cached large block out of its cache (for
     /// the caller to file under this lock), found with the thread's counters.
     #[inline(always)]
-    fn lock_taking_large(&self, take_large: bool) -> (Locked<'_>, Option<tcache::Cached>) {
+    fn lock_taking_large(&self, take_large: bool) -> (Locked<'_>, [Option<tcache::Cached>; 2]) {
         // Nothing panics while the lock is held (user code runs outside it); if something did,
         // the state is still the best there is, and `Drop` paths must not panic on a poisoned lock.
         let closing = self.closing.load(Ordering::Relaxed);
         // This thread's counters, found before the lock is taken (a thread's first call makes
         // its cache, which takes the registry's locks).
-        let (mine, large) = if closing {
-            (None, None)
+        let (mine, held) = if closing {
+            (None, [None; 2])
         } else {
             match self.caches.mine_stats(self.id, take_large) {
-                Some((to, slack, large)) => (Some((to, slack)), large),
-                None => (None, None),
+                Some((to, slack, held)) => (Some((to, slack)), held),
+                None => (None, [None; 2]),
             }
         };
         let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -335,7 +345,17 @@ impl DeviceAllocator {
             // SAFETY: this thread's counters, which its cache keeps alive while this allocator
             // is (we are in one of its calls), written by this thread only; cleared when the
             // `Locked` is dropped, before the state lock is let go.
-            Some((to, slack)) => unsafe { g.sink.point(to, slack) },
+            Some((to, slack)) => {
+                // SAFETY: as above; read by this thread, its only writer.
+                let elided = unsafe { to.as_ref() }.take_pool_elided();
+                // SAFETY: as above.
+                unsafe { g.sink.point(to, slack) };
+                // This thread's elided allocations of a user pool join the pool's totals here,
+                // under the lock that readers of pool statistics take.
+                if let Some(e) = elided {
+                    g.fold_pool_elided(e);
+                }
+            }
             None if !closing => {
                 retired = Some(self.caches.retired_lock());
                 let to = g.sink.retired();
@@ -346,7 +366,13 @@ impl DeviceAllocator {
             // The allocator is being dropped: no statistics are kept.
             None => g.sink.clear(),
         }
-        (Locked { guard: Some(g), retired, owner: self }, large)
+        let mut st = Locked { guard: Some(g), retired, owner: self };
+        // A user pool's block this thread held as a deferred free, settled: filed (and counted)
+        // under this lock. (The large block is the caller's to file.)
+        if let Some(c) = held[0] {
+            st.free_cached(c);
+        }
+        (st, [None, held[1]])
     }
 
     /// Takes every block out of every thread cache and files it in its free set.
@@ -572,11 +598,7 @@ impl DeviceAllocator {
         if self.capturing.load(Ordering::Relaxed) != 0 {
             return self.malloc_capturing(req);
         }
-        if req.pool.slot == 0
-            && self.rounding.thread_cache
-            && !self.has_error.load(Ordering::Relaxed)
-            && !trace::enabled()
-        {
+        if self.rounding.thread_cache && !self.has_error.load(Ordering::Relaxed) && !trace::enabled() {
             if let Some(a) = self.take_cached(req) {
                 return Ok(a);
             }
@@ -591,11 +613,13 @@ impl DeviceAllocator {
         let board = &self.caches.board;
         // Bins are found by the bytes asked for: every cached block is the rounded size of
         // its request (no rounding here).
-        let h = self.caches.with_mine(self.id, |tc| tc.take(board, stream, req.size))??;
+        let pool = req.pool;
+        let h = self.caches.with_mine(self.id, |tc| tc.take(board, stream, pool, req.size))??;
         Some(Allocation {
             block: h.block,
             addr: h.addr,
             size: h.size,
+            pool,
             small: h.small,
             split: h.split,
             cacheable: true,
@@ -618,7 +642,7 @@ impl DeviceAllocator {
     fn malloc_locked(&self, req: &Request<'_>) -> Result<Allocation> {
         // This thread's cached large block goes back first: best fit sees it where it would be.
         let (mut st, held) = self.lock_taking_large(true);
-        if let Some(c) = held {
+        if let Some(c) = held[1] {
             st.free_cached(c);
         }
         if let Some(e) = st.error.take() {
@@ -1009,19 +1033,32 @@ impl DeviceAllocator {
         requested: usize,
         used_elsewhere: bool,
     ) {
-        if a.cacheable && !used_elsewhere && self.rounding.thread_cache && !trace::enabled() {
+        // A user pool's block only while its pool is live, and not while a capture is under
+        // way (the capture's pool may get it).
+        if a.cacheable
+            && !used_elsewhere
+            && self.rounding.thread_cache
+            && !trace::enabled()
+            && (a.pool.slot == 0 || (self.pool_is_live(a.pool) && self.capturing.load(Ordering::Relaxed) == 0))
+        {
             let board = &self.caches.board;
-            let put = self.caches.with_mine(self.id, |tc| tc.put(board, stream, requested, a));
-            match put {
-                Some(tcache::Put::Cached) => return,
-                Some(tcache::Put::Evicted(old)) => {
-                    self.free_cached(old.into_iter().flatten());
+            if let Some(put) = self.caches.with_mine(self.id, |tc| tc.put(board, stream, requested, a)) {
+                if put.out.iter().any(Option::is_some) {
+                    self.free_cached(put.out.into_iter().flatten());
+                }
+                if put.cached {
                     return;
                 }
-                Some(tcache::Put::Refused) | None => {}
             }
         }
         self.free_with(a.block, used_elsewhere);
+    }
+
+    /// Whether user pool `pool` is live (as far as the thread caches go: slots beyond
+    /// `CACHED_POOLS` never are).
+    #[inline(always)]
+    fn pool_is_live(&self, pool: PoolRef) -> bool {
+        self.pool_live.get(pool.slot as usize).is_some_and(|l| l.load(Ordering::Acquire) == pool.id.0)
     }
 
     /// Notes that `stream` uses the block; returns whether the stream is new to it. `keep` keeps
@@ -1135,6 +1172,7 @@ impl DeviceAllocator {
             device = self.backend.device(),
             pool = pool.id.0
         );
+        self.drain_caches();
         let mut st = self.lock();
         if !st.pending.is_empty() || !st.foreign.is_empty() {
             st.synchronize_events(&*self.backend);
@@ -1160,7 +1198,14 @@ impl DeviceAllocator {
     }
 
     pub(crate) fn pool_stats(&self, pool: PoolRef) -> PoolStats {
-        let st = self.lock();
+        // Cached blocks are `Allocated` in the state: filed first, as for `stats`.
+        self.drain_caches();
+        let mut st = self.lock();
+        let mut retired = Vec::new();
+        let others = self.caches.board.pool_elided(pool.id.0, &mut retired);
+        for e in retired {
+            st.fold_pool_elided(e);
+        }
         let slot = Slot(pool.slot);
         let (mut active, mut inactive) = (0, 0);
         for s in st.segments.iter().filter(|s| s.live && s.pool == slot) {
@@ -1172,10 +1217,12 @@ impl DeviceAllocator {
                 }
             }
         }
-        st.pools[slot.get()].stats.report(active, inactive)
+        st.pools[slot.get()].stats.with_elided(others).report(active, inactive)
     }
 
     pub(crate) fn reset_peak_stats(&self) {
+        // Nothing cached: the pools' counters (kept under the lock) are then the true ones.
+        self.drain_caches();
         self.caches.reset_peaks(self.id);
         let mut st = self.lock();
         st.stats.reset_peak();
@@ -1223,14 +1270,27 @@ impl DeviceAllocator {
                 st.pools.len() - 1
             }
         };
+        if let Some(l) = self.pool_live.get(slot) {
+            l.store(id.0, Ordering::Release);
+        }
         PoolRef { id, slot: slot as u32 }
     }
 
     /// The pool's last handle is gone: its wholly free segments go back now, the others as soon
     /// as they become wholly free.
     pub(crate) fn release_pool(&self, pool: PoolRef) {
+        // No thread caches its blocks from now (one that checked just before may still: its
+        // block is filed at that thread's next put or locked call, or by the next drain).
+        if let Some(l) = self.pool_live.get(pool.slot as usize) {
+            let _ = l.compare_exchange(pool.id.0, 0, Ordering::AcqRel, Ordering::Relaxed);
+        }
         let mut st = self.lock();
         st.release_pool(&*self.backend, Slot(pool.slot), pool.id);
+        // Its blocks in thread caches are filed (a wholly free segment of a released pool
+        // goes back as it is filed): first taken out of every cache, outside the lock.
+        self.unlock(st, false);
+        self.drain_caches();
+        let st = self.lock();
         #[cfg(feature = "tracing")]
         let held = {
             let p = &st.pools[pool.slot as usize];

@@ -613,7 +613,11 @@ impl State {
         let oversize = size >= self.config.max_split_size;
         self.sink.on_alloc(small, size, requested, oversize);
         if pool != Slot::DEFAULT {
-            self.pools[pool.get()].stats.on_alloc(size, requested);
+            // A new peak of the pool leaves out its blocks other threads hold as deferred frees.
+            let board = self.sink.board();
+            let p = &mut self.pools[pool.get()];
+            let id = p.spec.id.0;
+            p.stats.on_alloc(size, requested, || board.pool_deferred(id));
         }
         if crate::trace::enabled() {
             self.emit(Action::Alloc, block);
@@ -621,24 +625,43 @@ impl State {
         (block, addr)
     }
 
+    /// Elided allocations of a user pool (see `ThreadStats::pool_elided`: id, slot, count,
+    /// bytes, bytes asked for) join its totals, if the pool is still the slot's.
+    pub(super) fn fold_pool_elided(&mut self, e: [u64; 5]) {
+        if let Some(p) = self.pools.get_mut(e[1] as usize) {
+            if p.live && p.spec.id.0 == e[0] {
+                p.stats.on_elided(e[2], e[3], e[4]);
+            }
+        }
+    }
+
     /// What a caller holds of an allocated block.
     #[inline(always)]
     pub(super) fn allocation(&self, block: BlockIdx) -> super::Allocation {
         let b = self.block(block);
+        let p = &self.pools[b.pool.get()];
         super::Allocation {
             block,
             addr: b.addr,
             size: b.size,
             small: b.small,
             split: b.is_split(),
+            pool: PoolRef { id: p.spec.id, slot: b.pool.0 },
             // Large blocks too: the cache keeps one, reused only while its free set is as it
             // was (so exactly where best fit would put it again), and filed back at this
             // thread's next locked call and before any segment is made.
             // Only blocks of the rounded size of their request (not those that kept a rest too
             // small to split off): a thread cache finds a block by the bytes asked for.
-            cacheable: b.pool == Slot::DEFAULT
-                && b.size < self.config.max_split_size
-                && self.config.round(b.requested) == Some(b.size),
+            // User pools' blocks only while the pool is live, caches its segments, and its
+            // memory is not for the host (see `tcache`: they are cached as deferred frees).
+            cacheable: b.size < self.config.max_split_size
+                && self.config.round(b.requested) == Some(b.size)
+                && (b.pool == Slot::DEFAULT
+                    || (!p.released
+                        && !p.spec.no_cache
+                        && !p.spec.host_visible
+                        && p.spec.map_guard.is_none()
+                        && p.pinned == 0)),
             set: b.set.0,
             gen: self.sink.gens().get(b.set.0),
         }
@@ -727,6 +750,10 @@ impl State {
             // Cached blocks are never oversize.
             self.sink.on_free_requested(small, size, requested, false);
             self.sink.on_free_completed(small, size);
+            let pool = self.block(block).pool;
+            if pool != Slot::DEFAULT {
+                self.pools[pool.get()].stats.on_free_requested(size, requested);
+            }
         } else if c.split {
             // It is filed below as any freed block, which counts the merged block as
             // inactive-split afresh; its own count from the cache goes first (as it was counted

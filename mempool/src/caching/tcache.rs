@@ -36,7 +36,7 @@ use std::cell::RefCell;
 use std::ptr::NonNull;
 
 use super::state::BlockIdx;
-use crate::id::{AllocatorId, StreamKey};
+use crate::id::{AllocatorId, PoolRef, StreamKey};
 use crate::stats::{slack_for, Board, Sum, ThreadStats, MIN_BYTE_SLACK};
 use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering};
 
@@ -151,6 +151,8 @@ impl Shared {
 #[derive(Debug, Clone, Copy)]
 struct Meta {
     stream: StreamKey,
+    /// The blocks' pool (the default pools, or a user pool's slot and id).
+    pool: PoolRef,
     /// The blocks' size: the rounded size of `requested` (only such blocks are cached: see
     /// `State::allocation`), so a bin is found by (stream, bytes asked for) alone.
     size: usize,
@@ -166,21 +168,30 @@ struct Meta {
 }
 
 impl Meta {
-    /// Whether this bin holds blocks of (stream, bytes asked for).
+    /// Whether this bin holds blocks of (stream, pool, bytes asked for).
     #[inline(always)]
-    fn holds(&self, stream: StreamKey, requested: usize) -> bool {
-        self.n > 0 && self.keyed(stream, requested)
+    fn holds(&self, stream: StreamKey, pool: PoolRef, requested: usize) -> bool {
+        self.n > 0 && self.keyed(stream, pool, requested)
     }
 
-    /// Whether this bin is (or was last) for (stream, bytes asked for).
+    /// Whether this bin is (or was last) for (stream, pool, bytes asked for).
     #[inline(always)]
-    fn keyed(&self, stream: StreamKey, requested: usize) -> bool {
-        self.requested == requested && self.stream == stream
+    fn keyed(&self, stream: StreamKey, pool: PoolRef, requested: usize) -> bool {
+        self.requested == requested && self.stream == stream && self.pool == pool
     }
 }
 
-const EMPTY: Meta =
-    Meta { stream: StreamKey(0), size: 0, requested: 0, small: false, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
+const EMPTY: Meta = Meta {
+    stream: StreamKey(0),
+    pool: PoolRef::DEFAULT,
+    size: 0,
+    requested: 0,
+    small: false,
+    n: 0,
+    addr: [0; PER_BIN],
+    set: 0,
+    gen: 0,
+};
 
 /// A thread's cache of one allocator, as its thread holds it.
 #[derive(Debug)]
@@ -228,20 +239,27 @@ impl Drop for Owner {
 }
 
 #[inline(always)]
-fn set_of(stream: StreamKey, requested: usize) -> usize {
-    let h = (stream.0 ^ (requested as u64).rotate_left(17)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+fn set_of(stream: StreamKey, pool: PoolRef, requested: usize) -> usize {
+    let h = (stream.0 ^ (requested as u64).rotate_left(17) ^ u64::from(pool.slot).rotate_left(41))
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15);
     (h >> 58) as usize % (BINS / WAYS) * WAYS
 }
 
 /// What `put` did.
 #[derive(Debug)]
-pub(super) enum Put {
-    Cached,
-    /// Cached, in place of these blocks (another (stream, size, bytes asked for) held the bin); they go back to
-    /// the allocator.
-    Evicted([Option<Cached>; PER_BIN]),
-    /// Not cached (the bin or the cache is full): the caller frees it as usual.
-    Refused,
+pub(super) struct Put {
+    /// The block was cached (else the caller frees it as usual: the bin or the cache is
+    /// full, or it is a user pool's block that cannot be deferred now).
+    pub(super) cached: bool,
+    /// Blocks taken out of the cache for the caller to file: those another key's block
+    /// evicted, and a user pool's deferred block that was not taken back.
+    pub(super) out: [Option<Cached>; PER_BIN + 1],
+}
+
+impl Put {
+    fn refused(out: [Option<Cached>; PER_BIN + 1]) -> Put {
+        Put { cached: false, out }
+    }
 }
 
 /// A block taken from a cache.
@@ -283,32 +301,32 @@ impl Owner {
     /// first (a thread that cycles one size finds it there), then the large bin, then the
     /// key's set.
     #[inline(always)]
-    fn find(&self, stream: StreamKey, requested: usize) -> Option<usize> {
+    fn find(&self, stream: StreamKey, pool: PoolRef, requested: usize) -> Option<usize> {
         let last = self.last;
-        if self.meta[last].holds(stream, requested) {
+        if self.meta[last].holds(stream, pool, requested) {
             return Some(last);
         }
-        if self.meta[LARGE].holds(stream, requested) {
+        if self.meta[LARGE].holds(stream, pool, requested) {
             return Some(LARGE);
         }
-        let set = set_of(stream, requested);
-        (set..set + WAYS).find(|&i| self.meta[i].holds(stream, requested))
+        let set = set_of(stream, pool, requested);
+        (set..set + WAYS).find(|&i| self.meta[i].holds(stream, pool, requested))
     }
 
     /// The bin a freed block of (stream, size, bytes asked for) goes to: the large bin, or in
     /// the key's set, the bin of that key (even empty: it is set up already), else an empty
     /// one, else the next victim.
     #[inline(always)]
-    fn bin_for(&mut self, stream: StreamKey, requested: usize, small: bool) -> usize {
+    fn bin_for(&mut self, stream: StreamKey, pool: PoolRef, requested: usize, small: bool) -> usize {
         if !small {
             return LARGE;
         }
         let last = self.last;
-        if self.meta[last].keyed(stream, requested) && last != LARGE {
+        if self.meta[last].keyed(stream, pool, requested) && last != LARGE {
             return last;
         }
-        let set = set_of(stream, requested);
-        if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].keyed(stream, requested)) {
+        let set = set_of(stream, pool, requested);
+        if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].keyed(stream, pool, requested)) {
             return i;
         }
         if let Some(i) = (set..set + WAYS).find(|&i| self.meta[i].n == 0) {
@@ -345,33 +363,50 @@ impl Owner {
     /// Counts the deferred free, if there is one (before another block is cached, and before
     /// this thread takes the allocator's lock): its block stays cached, counted as free. A
     /// drain that took the block first counted it.
+    /// A user pool's deferred block is not counted free in the cache (its pool's counters are
+    /// kept under the allocator's lock): it is taken out and returned, for the caller to file
+    /// under the lock, which counts its free.
     #[inline(always)]
-    pub(super) fn settle(&mut self, board: &Board) {
+    pub(super) fn settle(&mut self, board: &Board) -> Option<Cached> {
         if self.deferred != 0 {
-            self.settle_now(board);
+            return self.settle_now(board);
         }
+        None
     }
 
     #[inline(never)]
-    fn settle_now(&mut self, board: &Board) {
+    fn settle_now(&mut self, board: &Board) -> Option<Cached> {
         let word = std::mem::take(&mut self.deferred);
         // Not taken back at once: count the next frees as they come for a while.
         self.defer_wait = DEFER_WAIT;
         let (bin, slot) = (self.deferred_at.0 as usize, self.deferred_at.1 as usize);
         // Only the owner stores a block word into a slot, and it stored none into this one since
-        // (a put settles first): the slot holds this word, or 0 if a drain took it.
+        // (a put settles first): the slot holds this word, or 0 if a drain took it (and counts
+        // it). No take came between either: a bin hands out its last block first, this one.
         let s = &self.shared.slots[bin][slot];
+        let m = &mut self.meta[bin];
+        if m.pool != PoolRef::DEFAULT {
+            if s.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                self.shared.stats.undefer();
+                if m.n == slot + 1 {
+                    m.n = slot;
+                }
+                self.bytes -= m.size;
+                return Some(unpack(word));
+            }
+            return None;
+        }
         if s.compare_exchange(word, word & !UNCOUNTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            let m = &self.meta[bin];
             self.shared.stats.undefer();
             self.shared.stats.on_cache(board, self.slack, m.small, m.size, m.requested, word & 1 == 1);
         }
+        None
     }
 
     /// A cached block for a request of `requested` bytes on `stream`, counted as allocated.
     #[inline(always)]
-    pub(super) fn take(&mut self, board: &Board, stream: StreamKey, requested: usize) -> Option<Hit> {
-        let i = self.find(stream, requested)?;
+    pub(super) fn take(&mut self, board: &Board, stream: StreamKey, pool: PoolRef, requested: usize) -> Option<Hit> {
+        let i = self.find(stream, pool, requested)?;
         // A large block only while its set is as it was when it was handed out: best fit would
         // give it again (otherwise it waits for this thread's next locked call).
         if i == LARGE && board.gens.get(self.meta[LARGE].set) != self.meta[LARGE].gen {
@@ -394,6 +429,9 @@ impl Owner {
                     self.deferred = 0;
                     self.shared.stats.undefer();
                     self.shared.stats.on_elided(hit.small, size, requested, split);
+                    if pool != PoolRef::DEFAULT {
+                        self.shared.stats.on_pool_elided(pool.id.0, pool.slot, size, requested);
+                    }
                 } else {
                     self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
                 }
@@ -403,13 +441,15 @@ impl Owner {
         None
     }
 
-    /// Caches a block of `size` bytes at `addr` on `stream`, freed by its owner, counted as free.
+    /// Caches a block of `size` bytes at `addr` on `stream`, freed by its owner, counted as free
+    /// (or deferred). A user pool's block is cached only as a deferred free.
     #[inline(always)]
     pub(super) fn put(&mut self, board: &Board, stream: StreamKey, requested: usize, a: &super::Allocation) -> Put {
-        let (size, small, block, addr, split) = (a.size, a.small, a.block, a.addr, a.split);
+        let (size, small, block, addr, split, pool) = (a.size, a.small, a.block, a.addr, a.split, a.pool);
+        let mut out = [None; PER_BIN + 1];
         if self.bypass > 0 {
             self.bypass -= 1;
-            return Put::Refused;
+            return Put::refused(out);
         }
         self.puts += 1;
         if self.puts == WINDOW {
@@ -425,19 +465,30 @@ impl Owner {
             self.recount(drains);
         }
         if self.bytes + size > MAX_BYTES {
-            return Put::Refused;
+            return Put::refused(out);
         }
         // At most one deferred free at a time.
-        self.settle(board);
-        let i = self.bin_for(stream, requested, small);
+        out[PER_BIN] = self.settle(board);
+        let defer = self.defer_wait == 0;
+        if pool != PoolRef::DEFAULT {
+            // Only as a deferred free, and while this thread's elided pool allocations are of
+            // this pool or none (they are added to their pool at its next locked call).
+            let elided = self.shared.stats.pool_elided_id();
+            if !defer {
+                self.defer_wait -= 1;
+                return Put::refused(out);
+            }
+            if elided != 0 && elided != pool.id.0 {
+                return Put::refused(out);
+            }
+        }
+        let i = self.bin_for(stream, pool, requested, small);
         self.last = i;
-        let mut out = Put::Cached;
         let m = &mut self.meta[i];
         // The large bin holds one block: the one before goes back.
-        if m.n > 0 && (i == LARGE || !m.holds(stream, requested)) {
-            let mut old = [None; PER_BIN];
+        if m.n > 0 && (i == LARGE || !m.holds(stream, pool, requested)) {
             // (No deferred free among them: it was settled above.)
-            for (o, s) in old.iter_mut().zip(&self.shared.slots[i][..m.n]) {
+            for (o, s) in out.iter_mut().zip(&self.shared.slots[i][..m.n]) {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
                     *o = Some(unpack(v));
@@ -445,17 +496,15 @@ impl Owner {
             }
             self.bytes -= m.size * m.n;
             *m = EMPTY;
-            out = Put::Evicted(old);
         } else if m.n == PER_BIN {
-            return Put::Refused;
+            return Put::refused(out);
         }
-        if m.n == 0 && !m.keyed(stream, requested) {
-            *m = Meta { stream, size, requested, small, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
+        if m.n == 0 && !m.keyed(stream, pool, requested) {
+            *m = Meta { stream, pool, size, requested, small, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
         }
         // The free is deferred (not counted) unless a deferred free was lately not taken back:
         // a thread that frees and allocates the same size in turn then counts nothing but
         // the totals (see `settle` and `take`).
-        let defer = self.defer_wait == 0;
         let word = pack(block, split) | if defer { UNCOUNTED } else { 0 };
         // The slot at the count is 0 (owner invariant): nobody else writes a block into it.
         // Under loom a swap, checking that: loom lets a plain store slip between the read and
@@ -463,7 +512,7 @@ impl Owner {
         // that finds the 0 it expects is the same step.
         if defer {
             // Recorded before the block is reachable: a drain that takes it finds the record.
-            self.shared.stats.defer(word, small, size, requested, split);
+            self.shared.stats.defer(word, small, size, requested, split, pool.id.0);
         }
         #[cfg(not(loom))]
         self.shared.slots[i][m.n].store(word, Ordering::Release);
@@ -488,7 +537,7 @@ impl Owner {
             self.defer_wait -= 1;
             self.shared.stats.on_cache(board, self.slack, small, size, requested, split);
         }
-        out
+        Put { cached: true, out }
     }
 
     /// Gives back everything this thread's cache holds (before this thread makes a segment).
@@ -563,6 +612,12 @@ impl Sink {
     /// The retired counters (the caller holds the retired lock until `clear`).
     pub(super) fn retired(&self) -> NonNull<ThreadStats> {
         NonNull::from(&*self.board.retired)
+    }
+
+    /// The statistics board.
+    #[inline(always)]
+    pub(super) fn board(&self) -> &Arc<Board> {
+        &self.board
     }
 
     /// The free sets' generations (see [`SetGens`](crate::stats::SetGens)).
@@ -681,12 +736,13 @@ impl Registry {
         &self,
         id: AllocatorId,
         take_large: bool,
-    ) -> Option<(NonNull<ThreadStats>, i64, Option<Cached>)> {
+    ) -> Option<(NonNull<ThreadStats>, i64, [Option<Cached>; 2])> {
         let board = &self.board;
         self.with_mine(id, |o| {
-            o.settle(board);
+            // A deferred free is settled first; a user pool's block comes out to be filed.
+            let settled = o.settle(board);
             let large = if take_large { o.take_large() } else { None };
-            (NonNull::from(o.stats()), o.slack, large)
+            (NonNull::from(o.stats()), o.slack, [settled, large])
         })
     }
 
@@ -739,8 +795,9 @@ impl Registry {
     /// with one thread at a time the peaks stay exact.
     pub(super) fn reset_peaks(&self, id: AllocatorId) {
         let board = &self.board;
+        // (The caller drained every cache first: nothing is deferred, nothing to file.)
         self.with_mine(id, |o| {
-            o.settle(board);
+            let _ = o.settle(board);
             o.stats().commit_all(board)
         });
         {
@@ -768,6 +825,11 @@ mod loom_tests {
     use super::*;
     use crate::id::StreamKey;
 
+    /// Cached, nothing taken out.
+    fn cached(p: Put) -> bool {
+        p.cached && p.out.iter().all(Option::is_none)
+    }
+
     fn b(i: usize) -> BlockIdx {
         BlockIdx::from_key(i as u32 + 1)
     }
@@ -775,7 +837,17 @@ mod loom_tests {
     /// An allocation of block `i` of `size` bytes at `addr`, as the state hands it out.
     fn a(i: usize, size: usize, addr: u64, split: bool) -> super::super::Allocation {
         let small = crate::rules::is_small(size);
-        super::super::Allocation { block: b(i), addr, size, small, split, cacheable: true, set: 0, gen: 0 }
+        super::super::Allocation {
+            block: b(i),
+            addr,
+            size,
+            small,
+            split,
+            pool: crate::id::PoolRef::DEFAULT,
+            cacheable: true,
+            set: 0,
+            gen: 0,
+        }
     }
 
     /// The owner caches, reuses and evicts while another thread drains: no block is lost or
@@ -788,8 +860,8 @@ mod loom_tests {
             let board = Board::default();
             let s = StreamKey(7);
             // Two blocks of one size cached before the drainer starts.
-            assert!(matches!(own.put(&board, s, 512, &a(0, 512, 0x1000, false)), Put::Cached));
-            assert!(matches!(own.put(&board, s, 512, &a(1, 512, 0x1200, true)), Put::Cached));
+            assert!(cached(own.put(&board, s, 512, &a(0, 512, 0x1000, false))));
+            assert!(cached(own.put(&board, s, 512, &a(1, 512, 0x1200, true))));
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
@@ -797,13 +869,13 @@ mod loom_tests {
                 got
             });
             let mut mine = Vec::new();
-            if let Some(h) = own.take(&board, s, 512) {
+            if let Some(h) = own.take(&board, s, PoolRef::DEFAULT, 512) {
                 mine.push(h.block);
             }
             // A third block, cached while the drain may be under way.
             let p = own.put(&board, s, 512, &a(2, 512, 0x1400, false));
-            assert!(matches!(p, Put::Cached));
-            while let Some(h) = own.take(&board, s, 512) {
+            assert!(cached(p));
+            while let Some(h) = own.take(&board, s, PoolRef::DEFAULT, 512) {
                 mine.push(h.block);
             }
             let mut drained = drainer.join().unwrap();
@@ -832,7 +904,7 @@ mod loom_tests {
             let board = Board::default();
             let s = StreamKey(7);
             let big = 4 << 20;
-            assert!(matches!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)), Put::Cached));
+            assert!(cached(own.put(&board, s, big, &a(0, big, 0x100_0000, false))));
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
@@ -840,16 +912,14 @@ mod loom_tests {
                 got
             });
             let mut mine = Vec::new();
-            if let Some(h) = own.take(&board, s, big) {
+            if let Some(h) = own.take(&board, s, PoolRef::DEFAULT, big) {
                 // Reused, and freed again: it is back in the cache (the drain may take it now).
                 assert_eq!(h.block, b(0));
-                assert!(matches!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)), Put::Cached));
+                assert!(cached(own.put(&board, s, big, &a(0, big, 0x100_0000, false))));
             }
-            match own.put(&board, s, big, &a(1, big, 0x200_0000, false)) {
-                Put::Evicted(old) => mine.extend(old.into_iter().flatten().map(|c| c.block)),
-                Put::Cached => {}
-                Put::Refused => panic!("the large bin refused a block"),
-            }
+            let p = own.put(&board, s, big, &a(1, big, 0x200_0000, false));
+            assert!(p.cached, "the large bin refused a block");
+            mine.extend(p.out.into_iter().flatten().map(|c| c.block));
             mine.extend(own.take_large().map(|c| c.block));
             let mut drained = drainer.join().unwrap();
             let mut left = Vec::new();
@@ -875,7 +945,7 @@ mod loom_tests {
             let mut own = reg.make();
             let board = Board::default();
             let s = StreamKey(7);
-            assert!(matches!(own.put(&board, s, 512, &a(0, 512, 0x1000, true)), Put::Cached));
+            assert!(cached(own.put(&board, s, 512, &a(0, 512, 0x1000, true))));
             assert!(own.deferred != 0, "the first free is deferred");
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
@@ -883,7 +953,7 @@ mod loom_tests {
                 r2.drain_all(&mut got);
                 got
             });
-            own.settle(&board);
+            assert!(own.settle(&board).is_none(), "a default-pool block stays cached");
             let drained = drainer.join().unwrap();
             let by_drain = drained.iter().filter(|c| c.uncounted).count();
             // The owner's counters: -1 allocation if it counted the free (the allocation itself
