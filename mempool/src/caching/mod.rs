@@ -1042,11 +1042,16 @@ impl DeviceAllocator {
             && (a.pool.slot == 0 || (self.pool_is_live(a.pool) && self.capturing.load(Ordering::Relaxed) == 0))
         {
             let board = &self.caches.board;
-            if let Some(put) = self.caches.with_mine(self.id, |tc| tc.put(board, stream, requested, a)) {
-                if put.out.iter().any(Option::is_some) {
-                    self.free_cached(put.out.into_iter().flatten());
+            let put = self.caches.with_mine(self.id, |tc| {
+                let cached = tc.put(board, stream, requested, a);
+                let spill = if tc.spill.is_empty() { None } else { Some(std::mem::take(&mut tc.spill)) };
+                (cached, spill)
+            });
+            if let Some((cached, spill)) = put {
+                if let Some(spill) = spill {
+                    self.free_cached(spill);
                 }
-                if put.cached {
+                if cached {
                     return;
                 }
             }

@@ -36,7 +36,7 @@ use std::cell::RefCell;
 use std::ptr::NonNull;
 
 use super::state::BlockIdx;
-use crate::id::{AllocatorId, PoolRef, StreamKey};
+use crate::id::{AllocatorId, PoolId, PoolRef, StreamKey};
 use crate::stats::{slack_for, Board, Sum, ThreadStats, MIN_BYTE_SLACK};
 use crate::sync::{Arc, AtomicBool, AtomicU64, Mutex, MutexGuard, Ordering};
 
@@ -177,7 +177,8 @@ impl Meta {
     /// Whether this bin is (or was last) for (stream, pool, bytes asked for).
     #[inline(always)]
     fn keyed(&self, stream: StreamKey, pool: PoolRef, requested: usize) -> bool {
-        self.requested == requested && self.stream == stream && self.pool == pool
+        // A pool id is never given to another pool: it alone tells the pool.
+        self.requested == requested && self.stream == stream && self.pool.id == pool.id
     }
 }
 
@@ -220,6 +221,9 @@ pub(super) struct Owner {
     /// (settled) before another is cached and before this thread takes the allocator's lock.
     deferred: u64,
     deferred_at: (u32, u32),
+    /// Blocks `put` took out of the cache for its caller to file: those another key's block
+    /// evicted, and a user pool's deferred block that was not taken back.
+    pub(super) spill: Vec<Cached>,
     /// Puts left before frees are deferred again (after one that was not taken back).
     defer_wait: u32,
 }
@@ -243,23 +247,6 @@ fn set_of(stream: StreamKey, pool: PoolRef, requested: usize) -> usize {
     let h = (stream.0 ^ (requested as u64).rotate_left(17) ^ u64::from(pool.slot).rotate_left(41))
         .wrapping_mul(0x9e37_79b9_7f4a_7c15);
     (h >> 58) as usize % (BINS / WAYS) * WAYS
-}
-
-/// What `put` did.
-#[derive(Debug)]
-pub(super) struct Put {
-    /// The block was cached (else the caller frees it as usual: the bin or the cache is
-    /// full, or it is a user pool's block that cannot be deferred now).
-    pub(super) cached: bool,
-    /// Blocks taken out of the cache for the caller to file: those another key's block
-    /// evicted, and a user pool's deferred block that was not taken back.
-    pub(super) out: [Option<Cached>; PER_BIN + 1],
-}
-
-impl Put {
-    fn refused(out: [Option<Cached>; PER_BIN + 1]) -> Put {
-        Put { cached: false, out }
-    }
 }
 
 /// A block taken from a cache.
@@ -289,6 +276,7 @@ impl Owner {
             last: 0,
             deferred: 0,
             deferred_at: (0, 0),
+            spill: Vec::new(),
             defer_wait: 0,
         }
     }
@@ -385,7 +373,7 @@ impl Owner {
         // it). No take came between either: a bin hands out its last block first, this one.
         let s = &self.shared.slots[bin][slot];
         let m = &mut self.meta[bin];
-        if m.pool != PoolRef::DEFAULT {
+        if m.pool.id != PoolId::DEFAULT {
             if s.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 self.shared.stats.undefer();
                 if m.n == slot + 1 {
@@ -429,7 +417,7 @@ impl Owner {
                     self.deferred = 0;
                     self.shared.stats.undefer();
                     self.shared.stats.on_elided(hit.small, size, requested, split);
-                    if pool != PoolRef::DEFAULT {
+                    if pool.id != PoolId::DEFAULT {
                         self.shared.stats.on_pool_elided(pool.id.0, pool.slot, size, requested);
                     }
                 } else {
@@ -442,14 +430,15 @@ impl Owner {
     }
 
     /// Caches a block of `size` bytes at `addr` on `stream`, freed by its owner, counted as free
-    /// (or deferred). A user pool's block is cached only as a deferred free.
+    /// (or deferred). A user pool's block is cached only as a deferred free. Returns whether
+    /// it was cached (else the caller frees it as usual: the bin or the cache is full, or it is
+    /// a user pool's block that cannot be deferred now); blocks to file go to `spill`.
     #[inline(always)]
-    pub(super) fn put(&mut self, board: &Board, stream: StreamKey, requested: usize, a: &super::Allocation) -> Put {
+    pub(super) fn put(&mut self, board: &Board, stream: StreamKey, requested: usize, a: &super::Allocation) -> bool {
         let (size, small, block, addr, split, pool) = (a.size, a.small, a.block, a.addr, a.split, a.pool);
-        let mut out = [None; PER_BIN + 1];
         if self.bypass > 0 {
             self.bypass -= 1;
-            return Put::refused(out);
+            return false;
         }
         self.puts += 1;
         if self.puts == WINDOW {
@@ -465,21 +454,23 @@ impl Owner {
             self.recount(drains);
         }
         if self.bytes + size > MAX_BYTES {
-            return Put::refused(out);
+            return false;
         }
         // At most one deferred free at a time.
-        out[PER_BIN] = self.settle(board);
+        if let Some(c) = self.settle(board) {
+            self.spill.push(c);
+        }
         let defer = self.defer_wait == 0;
-        if pool != PoolRef::DEFAULT {
+        if pool.id != PoolId::DEFAULT {
             // Only as a deferred free, and while this thread's elided pool allocations are of
             // this pool or none (they are added to their pool at its next locked call).
             let elided = self.shared.stats.pool_elided_id();
             if !defer {
                 self.defer_wait -= 1;
-                return Put::refused(out);
+                return false;
             }
             if elided != 0 && elided != pool.id.0 {
-                return Put::refused(out);
+                return false;
             }
         }
         let i = self.bin_for(stream, pool, requested, small);
@@ -488,16 +479,16 @@ impl Owner {
         // The large bin holds one block: the one before goes back.
         if m.n > 0 && (i == LARGE || !m.holds(stream, pool, requested)) {
             // (No deferred free among them: it was settled above.)
-            for (o, s) in out.iter_mut().zip(&self.shared.slots[i][..m.n]) {
+            for s in &self.shared.slots[i][..m.n] {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
-                    *o = Some(unpack(v));
+                    self.spill.push(unpack(v));
                 }
             }
             self.bytes -= m.size * m.n;
             *m = EMPTY;
         } else if m.n == PER_BIN {
-            return Put::refused(out);
+            return false;
         }
         if m.n == 0 && !m.keyed(stream, pool, requested) {
             *m = Meta { stream, pool, size, requested, small, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
@@ -537,7 +528,7 @@ impl Owner {
             self.defer_wait -= 1;
             self.shared.stats.on_cache(board, self.slack, small, size, requested, split);
         }
-        Put { cached: true, out }
+        true
     }
 
     /// Gives back everything this thread's cache holds (before this thread makes a segment).
@@ -825,11 +816,6 @@ mod loom_tests {
     use super::*;
     use crate::id::StreamKey;
 
-    /// Cached, nothing taken out.
-    fn cached(p: Put) -> bool {
-        p.cached && p.out.iter().all(Option::is_none)
-    }
-
     fn b(i: usize) -> BlockIdx {
         BlockIdx::from_key(i as u32 + 1)
     }
@@ -860,8 +846,8 @@ mod loom_tests {
             let board = Board::default();
             let s = StreamKey(7);
             // Two blocks of one size cached before the drainer starts.
-            assert!(cached(own.put(&board, s, 512, &a(0, 512, 0x1000, false))));
-            assert!(cached(own.put(&board, s, 512, &a(1, 512, 0x1200, true))));
+            assert!(own.put(&board, s, 512, &a(0, 512, 0x1000, false)));
+            assert!(own.put(&board, s, 512, &a(1, 512, 0x1200, true)));
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
@@ -874,7 +860,7 @@ mod loom_tests {
             }
             // A third block, cached while the drain may be under way.
             let p = own.put(&board, s, 512, &a(2, 512, 0x1400, false));
-            assert!(cached(p));
+            assert!(p);
             while let Some(h) = own.take(&board, s, PoolRef::DEFAULT, 512) {
                 mine.push(h.block);
             }
@@ -904,7 +890,7 @@ mod loom_tests {
             let board = Board::default();
             let s = StreamKey(7);
             let big = 4 << 20;
-            assert!(cached(own.put(&board, s, big, &a(0, big, 0x100_0000, false))));
+            assert!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)));
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
@@ -915,11 +901,10 @@ mod loom_tests {
             if let Some(h) = own.take(&board, s, PoolRef::DEFAULT, big) {
                 // Reused, and freed again: it is back in the cache (the drain may take it now).
                 assert_eq!(h.block, b(0));
-                assert!(cached(own.put(&board, s, big, &a(0, big, 0x100_0000, false))));
+                assert!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)));
             }
-            let p = own.put(&board, s, big, &a(1, big, 0x200_0000, false));
-            assert!(p.cached, "the large bin refused a block");
-            mine.extend(p.out.into_iter().flatten().map(|c| c.block));
+            assert!(own.put(&board, s, big, &a(1, big, 0x200_0000, false)), "the large bin refused a block");
+            mine.extend(own.spill.drain(..).map(|c| c.block));
             mine.extend(own.take_large().map(|c| c.block));
             let mut drained = drainer.join().unwrap();
             let mut left = Vec::new();
@@ -945,7 +930,7 @@ mod loom_tests {
             let mut own = reg.make();
             let board = Board::default();
             let s = StreamKey(7);
-            assert!(cached(own.put(&board, s, 512, &a(0, 512, 0x1000, true))));
+            assert!(own.put(&board, s, 512, &a(0, 512, 0x1000, true)));
             assert!(own.deferred != 0, "the first free is deferred");
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
