@@ -69,20 +69,22 @@ const ONE_SHOT_BLOCKS: usize = KERNEL_SLOTS / 2;
 /// float* out, u64 n)`: a barrier inside the kernel (thread `t` of each block `b` sets word
 /// `base + rank*64 + b` of rank `t`'s pad with release semantics and waits, with acquire
 /// semantics, for word `base + t*64 + b` of its own pad, then clears it), then `out[i]` = the sum
-/// over ranks of their data (grid-stride, loads that skip L1), then the same barrier on words
-/// `+ 32`, so no rank writes its data again before every rank read it.
+/// over ranks of their data (grid-stride, loads that skip L1: the first `4 * n4` elements four
+/// at a time, 16-byte loads of two ranks in flight, then the rest one at a time; ranks added in
+/// order, so the sums are those of the scalar loop), then the same barrier on words `+ 32`, so
+/// no rank writes its data again before every rank read it.
 const ONE_SHOT_PTX: &str = "
 .version 7.0
 .target sm_70
 .address_size 64
 
 .visible .entry one_shot_sync_f32(.param .u64 p_ptrs, .param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank,
-    .param .u32 p_base, .param .u64 p_out, .param .u64 p_n)
+    .param .u32 p_base, .param .u64 p_out, .param .u64 p_n, .param .u64 p_n4)
 {
     .reg .pred %p<6>;
-    .reg .b32 %r<20>;
-    .reg .b64 %rd<24>;
-    .reg .f32 %f<3>;
+    .reg .b32 %r<24>;
+    .reg .b64 %rd<40>;
+    .reg .f32 %f<16>;
     ld.param.u64 %rd1, [p_ptrs];
     ld.param.u64 %rd2, [p_pads];
     ld.param.u32 %r1, [p_world];
@@ -129,6 +131,59 @@ B1DONE:
     mul.lo.u32 %r16, %r15, %r13;
     cvt.u64.u32 %rd15, %r14;
     cvt.u64.u32 %rd16, %r16;
+    mov.u64 %rd36, %rd15;
+    ld.param.u64 %rd30, [p_n4];
+VOUTER:
+    setp.ge.u64 %p5, %rd15, %rd30;
+    @%p5 bra VDONE;
+    shl.b64 %rd17, %rd15, 4;
+    mov.f32 %f1, 0f00000000;
+    mov.f32 %f2, 0f00000000;
+    mov.f32 %f3, 0f00000000;
+    mov.f32 %f4, 0f00000000;
+    mov.u32 %r17, 0;
+VINNER:
+    add.u32 %r20, %r17, 1;
+    setp.ge.u32 %p1, %r20, %r1;
+    @%p1 bra VSINGLE;
+    mul.wide.u32 %rd18, %r17, 8;
+    add.u64 %rd19, %rd1, %rd18;
+    ld.global.u64 %rd20, [%rd19];
+    ld.global.u64 %rd21, [%rd19+8];
+    add.u64 %rd22, %rd20, %rd17;
+    add.u64 %rd23, %rd21, %rd17;
+    ld.global.cg.v4.f32 {%f5, %f6, %f7, %f8}, [%rd22];
+    ld.global.cg.v4.f32 {%f9, %f10, %f11, %f12}, [%rd23];
+    add.f32 %f1, %f1, %f5;
+    add.f32 %f2, %f2, %f6;
+    add.f32 %f3, %f3, %f7;
+    add.f32 %f4, %f4, %f8;
+    add.f32 %f1, %f1, %f9;
+    add.f32 %f2, %f2, %f10;
+    add.f32 %f3, %f3, %f11;
+    add.f32 %f4, %f4, %f12;
+    add.u32 %r17, %r17, 2;
+    bra VINNER;
+VSINGLE:
+    setp.ge.u32 %p1, %r17, %r1;
+    @%p1 bra VSTORE;
+    mul.wide.u32 %rd18, %r17, 8;
+    add.u64 %rd19, %rd1, %rd18;
+    ld.global.u64 %rd20, [%rd19];
+    add.u64 %rd22, %rd20, %rd17;
+    ld.global.cg.v4.f32 {%f5, %f6, %f7, %f8}, [%rd22];
+    add.f32 %f1, %f1, %f5;
+    add.f32 %f2, %f2, %f6;
+    add.f32 %f3, %f3, %f7;
+    add.f32 %f4, %f4, %f8;
+VSTORE:
+    add.u64 %rd24, %rd3, %rd17;
+    st.global.v4.f32 [%rd24], {%f1, %f2, %f3, %f4};
+    add.u64 %rd15, %rd15, %rd16;
+    bra VOUTER;
+VDONE:
+    shl.b64 %rd37, %rd30, 2;
+    add.u64 %rd15, %rd36, %rd37;
 OUTER:
     setp.ge.u64 %p5, %rd15, %rd4;
     @%p5 bra CDONE;
@@ -543,7 +598,10 @@ impl SymmMemory<f32> {
             // Written once by a copy that completed (`one_shot` synchronises it): raw addresses,
             // no ordering with their own stream needed.
             let (ptrs, pads) = (k.ptrs.device_ptr_raw(), k.pads.device_ptr_raw());
-            let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n) = (
+            // Four elements at a time where every address is 16-byte aligned (the ranks' data
+            // always is: each starts a mapping), the rest one at a time.
+            let n4 = if out_ptr % 16 == 0 { self.len as u64 / 4 } else { 0 };
+            let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n, mut p_n4) = (
                 ptrs,
                 pads,
                 self.world as u32,
@@ -551,8 +609,9 @@ impl SymmMemory<f32> {
                 (self.world * CHANNELS) as u32,
                 out_ptr,
                 self.len as u64,
+                n4,
             );
-            let mut params: [*mut std::ffi::c_void; 7] = [
+            let mut params: [*mut std::ffi::c_void; 8] = [
                 (&mut p_ptrs as *mut u64).cast(),
                 (&mut p_pads as *mut u64).cast(),
                 (&mut p_world as *mut u32).cast(),
@@ -560,14 +619,20 @@ impl SymmMemory<f32> {
                 (&mut p_base as *mut u32).cast(),
                 (&mut p_out as *mut u64).cast(),
                 (&mut p_n as *mut u64).cast(),
+                (&mut p_n4 as *mut u64).cast(),
             ];
             let threads = 512u32.max((self.world as u32).next_multiple_of(32));
-            let blocks = (self.len.div_ceil(threads as usize) as u32).clamp(1, ONE_SHOT_BLOCKS as u32);
+            let work = (n4 as usize).max(self.len - 4 * n4 as usize);
+            let blocks = (work.div_ceil(threads as usize) as u32).clamp(1, ONE_SHOT_BLOCKS as u32);
             self.ctx.bind_to_thread().map_err(Error::cuda)?;
-            // SAFETY: one_shot_sum_f32 takes (const u64*, u32, float*, u64): `ptrs` holds
-            // `world` addresses, each of `len` floats this device may read (the peer mappings,
-            // alive with `self`); `out` holds at least `len` floats of this device; the
-            // parameters live until the call returns.
+            // SAFETY: one_shot_sync_f32 takes (const u64* ptrs, const u64* pads, u32 world,
+            // u32 rank, u32 base, float* out, u64 n, u64 n4), the eight parameters above, which
+            // live until the call returns: `ptrs` holds `world` addresses, each the start of a
+            // mapping (so 16-byte aligned) of `len` floats this device may read (the peer
+            // mappings, alive with `self`), and `pads` each rank's pad, whose words `base` and
+            // on the kernel uses exist (`KERNEL_SLOTS` per rank after the channels); `out` holds
+            // at least `len` floats of this device, 16-byte aligned when `n4 > 0`, and
+            // `4 * n4 <= len`.
             cuda("cuLaunchKernel", unsafe {
                 sys::cuLaunchKernel(
                     k.func as sys::CUfunction,

@@ -542,6 +542,21 @@ fn symmetric_memory_patterns_signals_and_barriers() {
         assert!(stream.clone_dtoh(&out).unwrap() == want, "rank {rank}: the one-shot sums");
         let mut short = alloc.alloc::<f32>(999).unwrap();
         assert!(f.one_shot_all_reduce(&mut short, &stream).is_err(), "an output too short is refused");
+        // Sizes with a tail after the four-at-a-time part, and an output that is not 16-byte
+        // aligned (one element into a buffer): the one-at-a-time path.
+        for n in [1003usize, 4099, 262_147] {
+            let g = symm_empty::<f32>(&comm, n, &stream).unwrap();
+            let vals: Vec<f32> = (0..n).map(|i| ((i % 1000) * (rank + 1)) as f32).collect();
+            stream.memcpy_htod(&vals, &mut g.peer(rank, &stream).unwrap()).unwrap();
+            let want: Vec<f32> = (0..n).map(|i| (1..=world).map(|k| ((i % 1000) * k) as f32).sum()).collect();
+            let mut out = alloc.alloc::<f32>(n).unwrap();
+            g.one_shot_all_reduce(&mut out, &stream).unwrap();
+            assert!(stream.clone_dtoh(&out).unwrap() == want, "rank {rank}: the one-shot sums of {n}");
+            let mut wide = stream.alloc_zeros::<f32>(n + 1).unwrap();
+            let mut off = wide.slice_mut(1..);
+            g.one_shot_all_reduce(&mut off, &stream).unwrap();
+            assert!(stream.clone_dtoh(&off).unwrap() == want, "rank {rank}: unaligned output, {n}");
+        }
         stream.synchronize().unwrap();
         let pad = symm.signal_pad_ptrs()[rank];
         let mut words = vec![1u32; world * CHANNELS];
@@ -575,5 +590,24 @@ fn symmetric_memory_size_mismatch_fails_on_every_rank() {
     for r in &results {
         let e = r.as_ref().unwrap_err();
         assert!(e.contains("same size"), "{e}");
+    }
+}
+
+/// The one-shot all-reduce with one rank (the kernel's path for a last rank without a partner):
+/// the output is the rank's own data, four at a time and in the tail.
+#[test]
+#[ignore = "needs a CUDA GPU with NCCL"]
+fn one_shot_all_reduce_on_one_rank() {
+    use mempool_nccl::symm::symm_empty;
+    let comm = Communicator::all_local(&[0]).expect("a communicator").pop().expect("one rank");
+    let stream = comm.context().new_stream().unwrap();
+    let alloc = mempool::Allocator::cuda(0).unwrap();
+    for n in [4096usize, 1003] {
+        let g = symm_empty::<f32>(&comm, n, &stream).unwrap();
+        let vals: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+        stream.memcpy_htod(&vals, &mut g.peer(0, &stream).unwrap()).unwrap();
+        let mut out = alloc.alloc::<f32>(n).unwrap();
+        g.one_shot_all_reduce(&mut out, &stream).unwrap();
+        assert!(stream.clone_dtoh(&out).unwrap() == vals, "one rank: the sum is its data ({n})");
     }
 }
