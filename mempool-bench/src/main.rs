@@ -190,8 +190,12 @@ fn sources(a: &Allocator<mempool::Cuda>) -> Result<(), String> {
     for size in pair_sizes() {
         let mut best = [f64::MAX; 4];
         for _ in 0..3 {
-            let round =
-                [pair_with(&default, size), pair_with(&in_plain, size), pair_with(&in_so, size), pair_with(&in_direct, size)];
+            let round = [
+                pair_with(&default, size),
+                pair_with(&in_plain, size),
+                pair_with(&in_so, size),
+                pair_with(&in_direct, size),
+            ];
             for (b, r) in best.iter_mut().zip(round) {
                 *b = b.min(r);
             }
