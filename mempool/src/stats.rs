@@ -1,6 +1,6 @@
 //! Memory statistics, with the names and meaning of `torch.cuda.memory_stats()`.
 
-use crate::sync::{Arc, AtomicI64, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{Arc, AtomicBool, AtomicI64, AtomicU64, Mutex, MutexGuard, Ordering};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -129,6 +129,16 @@ pub(crate) struct PoolCounters {
 }
 
 impl PoolCounters {
+    /// The peaks restart from the values now, less the pool's blocks threads hold as deferred
+    /// frees (`deferred`: count, bytes, bytes asked for).
+    pub(crate) fn reset_peak_less(&mut self, deferred: [i64; 3]) {
+        self.reset_peak();
+        let t = [&mut self.allocation, &mut self.allocated_bytes, &mut self.requested_bytes];
+        for (t, d) in t.into_iter().zip(deferred) {
+            t.peak -= d;
+        }
+    }
+
     pub(crate) fn reset_peak(&mut self) {
         for t in [
             &mut self.allocation,
@@ -397,6 +407,9 @@ pub(crate) struct ThreadStats {
     def_req: AtomicU64,
     /// The deferred block's pool (its id; 0: the default pools).
     def_pool: AtomicU64,
+    /// A peak census (device or pool) left the deferred block out of a sum below the
+    /// committed one: taking it back may make a new peak (see `take_clipped`).
+    def_clipped: AtomicBool,
     /// Deferred frees of one user pool's blocks that its thread took back, not yet added to
     /// the pool's totals: the pool (id, slot; id 0: none), count, bytes, bytes asked for.
     /// Written by its thread; added to the pool's counters (and zeroed) by its thread under
@@ -424,6 +437,7 @@ impl Default for ThreadStats {
             def_size: AtomicU64::new(0),
             def_req: AtomicU64::new(0),
             def_pool: AtomicU64::new(0),
+            def_clipped: AtomicBool::new(false),
             pool_elided: std::array::from_fn(|_| AtomicU64::new(0)),
             elided: std::array::from_fn(|_| AtomicU64::new(0)),
         }
@@ -491,6 +505,7 @@ impl ThreadStats {
         self.def_size.store(size as u64 | flags, Ordering::Relaxed);
         self.def_req.store(requested as u64, Ordering::Relaxed);
         self.def_pool.store(pool, Ordering::Relaxed);
+        self.def_clipped.store(false, Ordering::Relaxed);
         self.def_word.store(word, Ordering::Release);
     }
 
@@ -542,10 +557,16 @@ impl ThreadStats {
         self.def_word.store(0, Ordering::Release);
     }
 
-    /// A drain took the block whose slot word is `word`: if it was the deferred one, it is no
-    /// longer (the drain counts its free).
+    /// The block whose slot word is `word` was filed (its free counted): if it was the
+    /// deferred one, it is no longer.
     pub(crate) fn undefer_taken(&self, word: u64) {
         let _ = self.def_word.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// Whether a census left the deferred block out since it was deferred (then reset).
+    #[inline(always)]
+    pub(crate) fn take_clipped(&self) -> bool {
+        self.def_clipped.load(Ordering::Relaxed) && self.def_clipped.swap(false, Ordering::Relaxed)
     }
 
     /// Its thread took its deferred block back: the free and this allocation cancel out; only
@@ -587,6 +608,33 @@ impl ThreadStats {
             INACTIVE_SPLIT if split => 1,
             INACTIVE_SPLIT_BYTES if split => size,
             _ => 0,
+        }
+    }
+
+    /// Commits the counters of kind `small` that a free moves (after a deferred free is
+    /// counted: the allocation that may follow then rises above what is committed, and its
+    /// commit checks the peak).
+    pub(crate) fn commit_kind(&self, board: &Board, small: bool) {
+        for s in [ALLOCATION, ACTIVE, ALLOCATED_BYTES, ACTIVE_BYTES, REQUESTED_BYTES] {
+            self.commit(board, s * 2 + !small as usize);
+        }
+    }
+
+    /// Its thread took back a block a census had left out (see `take_clipped`): the peaks of
+    /// the counters an allocation raises are checked against the true sum again (`g` counted
+    /// the block all along, so a commit would not).
+    #[cold]
+    pub(crate) fn recheck_peaks(&self, board: &Board, small: bool) {
+        for s in [ALLOCATION, ACTIVE, ALLOCATED_BYTES, ACTIVE_BYTES, REQUESTED_BYTES] {
+            let e = s * 2 + !small as usize;
+            let g = board.g[e].load(Ordering::Relaxed);
+            if g > board.peak[s * 3 + 1 + !small as usize].load(Ordering::Relaxed) {
+                board.census(s * 3 + 1 + !small as usize, g);
+            }
+            let all = g + board.g[e ^ 1].load(Ordering::Relaxed);
+            if all > board.peak[s * 3].load(Ordering::Relaxed) {
+                board.census(s * 3, all);
+            }
         }
     }
 
@@ -747,7 +795,17 @@ impl Board {
             let mut m = lock_members(&self.members);
             self.retired.absorb(t);
             if let Some(e) = t.take_pool_elided() {
-                self.retired_pools.lock().unwrap_or_else(|p| p.into_inner()).push(e);
+                // One entry per pool (an exited thread's adds to it), so the list stays as
+                // short as the pools still to be read; a released pool's goes (`forget_pool`).
+                let mut r = self.retired_pools.lock().unwrap_or_else(|p| p.into_inner());
+                match r.iter_mut().find(|x| x[0] == e[0] && x[1] == e[1]) {
+                    Some(x) => {
+                        for k in 2..5 {
+                            x[k] += e[k];
+                        }
+                    }
+                    None => r.push(e),
+                }
             }
             m.retain(|x| !Arc::ptr_eq(x, t));
         }
@@ -759,10 +817,16 @@ impl Board {
     #[cold]
     #[inline(never)]
     fn census(&self, i: usize, g: i64) {
-        let now = {
-            let m = lock_members(&self.members);
-            m.iter().map(|t| t.current(i)).sum::<i64>() + self.retired.current(i)
-        };
+        let m = lock_members(&self.members);
+        let now = m.iter().map(|t| t.current(i)).sum::<i64>() + self.retired.current(i);
+        if now < g {
+            // Threads whose deferred block this sum left out: taking it back is an allocation
+            // this peak has not seen (they check again then).
+            for t in m.iter().filter(|t| t.deferred(i) != 0) {
+                t.def_clipped.store(true, Ordering::Relaxed);
+            }
+        }
+        drop(m);
         self.peak[i].fetch_max(g.min(now), Ordering::Relaxed);
     }
 
@@ -772,11 +836,23 @@ impl Board {
         let m = lock_members(&self.members);
         let mut d = [0; 3];
         for t in m.iter() {
-            for (x, y) in d.iter_mut().zip(t.deferred_in_pool(id)) {
+            let dt = t.deferred_in_pool(id);
+            if dt[0] != 0 {
+                // Left out of a new pool peak: its reuse goes through the lock (see `census`).
+                t.def_clipped.store(true, Ordering::Relaxed);
+            }
+            for (x, y) in d.iter_mut().zip(dt) {
                 *x += y;
             }
         }
         d
+    }
+
+    /// A released pool's exited threads' elided allocations go (nobody can read its statistics
+    /// any more).
+    pub(crate) fn forget_pool(&self, id: u64) {
+        let _m = lock_members(&self.members);
+        self.retired_pools.lock().unwrap_or_else(|p| p.into_inner()).retain(|x| x[0] != id);
     }
 
     /// Elided pool allocations not yet in their pools' counters: every other thread's for
@@ -811,6 +887,13 @@ impl Board {
         let now = self.sum();
         for i in 0..N {
             self.peak[i].store(now.cur[i], Ordering::Relaxed);
+        }
+        // The sums left deferred blocks out: taking one back is an allocation these peaks have
+        // not seen.
+        for t in lock_members(&self.members).iter() {
+            if t.def_word.load(Ordering::Acquire) != 0 {
+                t.def_clipped.store(true, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -1127,5 +1210,30 @@ impl MemoryStats {
         }
         rule(&mut s, '=');
         s
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    /// Exited threads' elided pool allocations keep one entry per pool (found by the hostile
+    /// review: one per thread piled up until someone read the pool's statistics), and a
+    /// released pool's entry goes.
+    #[test]
+    fn exited_threads_pool_counters_keep_one_entry_per_pool() {
+        let board = Board::default();
+        for i in 0..1000u64 {
+            let t = Arc::new(ThreadStats::default());
+            board.join(t.clone());
+            t.on_pool_elided(7 + i % 2, 1 + (i % 2) as u32, 4096, 4000);
+            board.retire(&t);
+        }
+        assert_eq!(board.retired_pools.lock().unwrap().len(), 2, "one entry per pool");
+        board.forget_pool(8);
+        let mut retired = Vec::new();
+        assert_eq!(board.pool_elided(7, &mut retired), [0; 3], "no live thread holds any");
+        assert_eq!(retired, vec![[7, 1, 500, 500 * 4096, 500 * 4000]]);
+        assert!(board.retired_pools.lock().unwrap().is_empty(), "taken by the reader");
     }
 }

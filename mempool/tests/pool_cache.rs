@@ -206,3 +206,34 @@ fn a_freed_pool_block_waits_for_its_thread() {
         check_invariants(&a, Some(&sim));
     }
 }
+
+/// As `thread_cache.rs::a_deferred_block_taken_back_after_a_census_makes_its_peak`, for a pool's
+/// own peak: the block left out of another thread's pool peak is taken back through the lock.
+#[test]
+fn a_deferred_pool_block_taken_back_after_a_census_makes_the_pools_peak() {
+    let (sim, a, _source, pool) = setup();
+    drop(pool.alloc::<u8>(MIB).unwrap()); // deferred
+    let pool = Arc::new(pool);
+    let (allocated, go_on) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let other = {
+        let pool = pool.clone();
+        let (tx, rx) = (allocated.0, go_on.1);
+        std::thread::spawn(move || {
+            let b = pool.alloc::<u8>(MIB).unwrap();
+            tx.send(()).unwrap();
+            rx.recv().unwrap();
+            drop(b);
+        })
+    };
+    allocated.1.recv().unwrap();
+    let mine = pool.alloc::<u8>(MIB).unwrap();
+    go_on.0.send(()).unwrap();
+    other.join().unwrap();
+    drop(mine);
+    let s = pool.memory_stats();
+    assert_eq!(s.allocation.peak, 2, "two blocks of the pool were live at once");
+    assert_eq!(s.allocated_bytes.peak, 2 * MIB as i64);
+    let d = a.memory_stats();
+    assert_eq!(d.allocation.all.peak, 2);
+    check_invariants(&a, Some(&sim));
+}

@@ -430,3 +430,33 @@ fn a_drained_deferred_free_is_counted_once() {
     assert_eq!(s.allocated_bytes.all.peak, 8192 + 4096);
     check_invariants(&a, Some(&sim));
 }
+
+/// Another thread's census leaves this thread's deferred block out (the block is free then);
+/// this thread then takes it back while the other's block is live: two blocks at once, which
+/// the peak must show (found by the hostile review: the reuse moved no counter, so no check).
+#[test]
+fn a_deferred_block_taken_back_after_a_census_makes_its_peak() {
+    let (sim, a) = setup(1 << 30);
+    drop(a.alloc::<u8>(MIB).unwrap()); // deferred
+    let (allocated, go_on) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let other = {
+        let a = a.clone();
+        let (tx, rx) = (allocated.0, go_on.1);
+        std::thread::spawn(move || {
+            let b = a.alloc::<u8>(MIB).unwrap(); // census: one block live
+            tx.send(()).unwrap();
+            rx.recv().unwrap();
+            drop(b);
+        })
+    };
+    allocated.1.recv().unwrap();
+    let mine = a.alloc::<u8>(MIB).unwrap(); // taken back: two blocks live
+    go_on.0.send(()).unwrap();
+    other.join().unwrap();
+    drop(mine);
+    let s = a.memory_stats();
+    assert_eq!(s.allocated_bytes.all.peak, 2 * MIB as i64, "two 1 MiB blocks were live at once");
+    assert_eq!(s.allocation.all.peak, 2);
+    assert_eq!(s.requested_bytes.all.peak, 2 * MIB as i64);
+    check_invariants(&a, Some(&sim));
+}

@@ -99,6 +99,9 @@ impl DeviceAllocator {
         st.captures.push(Underway { id, pool });
         if let Some(slot) = st.resolve(pool) {
             st.pools[slot.get()].pinned += 1;
+            // A pool a capture or graph holds is not cached by the thread caches (a block
+            // freed now goes to its free set, where the capture may reuse it).
+            self.set_pool_live(pool, false);
         }
         self.capturing.fetch_add(1, Ordering::Relaxed);
         Ok(id)
@@ -113,8 +116,8 @@ impl DeviceAllocator {
         let mut st = self.lock();
         let Some(i) = st.captures.iter().position(|c| c.id == id) else { return };
         let ended = st.captures.swap_remove(i);
-        if !graph {
-            unpin(&mut st, ended.pool);
+        if !graph && unpin(&mut st, ended.pool) {
+            self.set_pool_live(ended.pool, true);
         }
         self.capturing.fetch_sub(1, Ordering::Relaxed);
         if st.captures.is_empty() {
@@ -133,7 +136,9 @@ impl DeviceAllocator {
     /// A graph holding `pool`'s memory is gone.
     pub(crate) fn unpin_pool(&self, pool: PoolRef) {
         let mut st = self.lock();
-        unpin(&mut st, pool);
+        if unpin(&mut st, pool) {
+            self.set_pool_live(pool, true);
+        }
         self.unlock(st, false);
     }
 
@@ -181,9 +186,12 @@ impl DeviceAllocator {
     }
 }
 
-fn unpin(st: &mut super::State, pool: PoolRef) {
+/// One capture or graph less holds `pool`; true if none does any more (and the pool is live).
+fn unpin(st: &mut super::State, pool: PoolRef) -> bool {
     if let Some(slot) = st.resolve(pool) {
         let p = &mut st.pools[slot.get()];
         p.pinned = p.pinned.saturating_sub(1);
+        return p.pinned == 0 && !p.released;
     }
+    false
 }

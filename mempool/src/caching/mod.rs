@@ -181,6 +181,8 @@ pub(crate) struct DeviceAllocator {
     closing: AtomicBool,
     /// Graph captures under way (`capture.rs`); changed under the lock.
     capturing: AtomicUsize,
+    /// Requests on the out-of-memory ladder now: while any is, frees bypass the thread caches.
+    under_pressure: AtomicUsize,
     /// The live user pool of each of the first `CACHED_POOLS` slots (its id; 0: none, or
     /// released): a freed block of a user pool goes to a thread cache only while its pool is
     /// live (a released pool gives its memory back as its last block is freed).
@@ -221,6 +223,11 @@ impl Drop for Locked<'_> {
     fn drop(&mut self) {
         let Some(mut g) = self.guard.take() else { return };
         self.owner.has_error.store(g.error.is_some(), Ordering::Relaxed);
+        if !g.outbox.is_empty() {
+            // Queued by a call that lets go without running the outbox (a deferred block
+            // filed as this lock was taken): the next run delivers it.
+            self.owner.has_work.store(true, Ordering::Release);
+        }
         g.sink.clear();
         drop(g);
         drop(self.retired.take());
@@ -303,6 +310,7 @@ impl DeviceAllocator {
             has_error: AtomicBool::new(false),
             closing: AtomicBool::new(false),
             capturing: AtomicUsize::new(0),
+            under_pressure: AtomicUsize::new(0),
             pool_live: std::array::from_fn(|_| AtomicU64::new(0)),
             host_visible,
             nested_target: AtomicU64::new(0),
@@ -332,11 +340,11 @@ impl DeviceAllocator {
         // This thread's counters, found before the lock is taken (a thread's first call makes
         // its cache, which takes the registry's locks).
         let (mine, held) = if closing {
-            (None, [None; 2])
+            (None, [None, None])
         } else {
             match self.caches.mine_stats(self.id, take_large) {
                 Some((to, slack, held)) => (Some((to, slack)), held),
-                None => (None, [None; 2]),
+                None => (None, [None, None]),
             }
         };
         let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -369,10 +377,11 @@ impl DeviceAllocator {
         let mut st = Locked { guard: Some(g), retired, owner: self };
         // A user pool's block this thread held as a deferred free, settled: filed (and counted)
         // under this lock. (The large block is the caller's to file.)
-        if let Some(c) = held[0] {
+        let [settled, large] = held;
+        if let Some(c) = settled {
             st.free_cached(c);
         }
-        (st, [None, held[1]])
+        (st, [None, large])
     }
 
     /// Takes every block out of every thread cache and files it in its free set.
@@ -380,6 +389,11 @@ impl DeviceAllocator {
         let mut blocks = Vec::new();
         self.caches.drain_all(&mut blocks);
         self.free_cached(blocks);
+        // Work a call left queued (see `Locked`'s drop) is delivered before anyone reads.
+        if self.has_work.load(Ordering::Acquire) {
+            let st = self.lock();
+            self.unlock(st, false);
+        }
     }
 
     /// Files the blocks of this thread's cache, of exited threads' caches, and every thread's
@@ -614,7 +628,19 @@ impl DeviceAllocator {
         // Bins are found by the bytes asked for: every cached block is the rounded size of
         // its request (no rounding here).
         let pool = req.pool;
-        let h = self.caches.with_mine(self.id, |tc| tc.take(board, stream, pool, req.size))??;
+        // A user pool's only while it is live (a scope that was forgotten may outlive it).
+        if pool.slot != 0 && !self.pool_is_live(pool) {
+            return None;
+        }
+        let (h, spill) = self.caches.with_mine(self.id, |tc| {
+            let h = tc.take(board, stream, pool, req.size);
+            let spill = if tc.spill.is_empty() { None } else { Some(std::mem::take(&mut tc.spill)) };
+            (h, spill)
+        })?;
+        if let Some(spill) = spill {
+            self.free_cached(spill);
+        }
+        let h = h?;
         Some(Allocation {
             block: h.block,
             addr: h.addr,
@@ -642,7 +668,8 @@ impl DeviceAllocator {
     fn malloc_locked(&self, req: &Request<'_>) -> Result<Allocation> {
         // This thread's cached large block goes back first: best fit sees it where it would be.
         let (mut st, held) = self.lock_taking_large(true);
-        if let Some(c) = held[1] {
+        let [_, large] = held;
+        if let Some(c) = large {
             st.free_cached(c);
         }
         if let Some(e) = st.error.take() {
@@ -684,6 +711,9 @@ impl DeviceAllocator {
         let be = &*self.backend;
         let small = is_small(rounded);
         let mut retried = false;
+        // While this request climbs the out-of-memory ladder, no thread caches what it frees:
+        // blocks freed meanwhile go to their free sets, where this request can find them.
+        let mut _pressure = None;
         // The out-of-memory ladder's span (feature `tracing`), entered at its first rung.
         let mut _ladder: Option<_> = None;
         // Before any user code runs (hooks and frees run when the lock is let go, and may change
@@ -809,6 +839,10 @@ impl DeviceAllocator {
             if !retried {
                 retried = true;
                 drop(st);
+                self.under_pressure.fetch_add(1, Ordering::AcqRel);
+                _pressure = Some(scopeguard::guard((), |()| {
+                    self.under_pressure.fetch_sub(1, Ordering::AcqRel);
+                }));
                 _ladder = tracing_span!(
                     ::tracing::Level::INFO,
                     "out_of_memory_ladder",
@@ -1039,6 +1073,7 @@ impl DeviceAllocator {
             && !used_elsewhere
             && self.rounding.thread_cache
             && !trace::enabled()
+            && self.under_pressure.load(Ordering::Relaxed) == 0
             && (a.pool.slot == 0 || (self.pool_is_live(a.pool) && self.capturing.load(Ordering::Relaxed) == 0))
         {
             let board = &self.caches.board;
@@ -1057,6 +1092,18 @@ impl DeviceAllocator {
             }
         }
         self.free_with(a.block, used_elsewhere);
+    }
+
+    /// Marks user pool `pool` cacheable by the thread caches or not (under the allocator's
+    /// lock, with the pool's state): not while a capture or graph holds it.
+    pub(super) fn set_pool_live(&self, pool: PoolRef, live: bool) {
+        if let Some(l) = self.pool_live.get(pool.slot as usize) {
+            if live {
+                l.store(pool.id.0, Ordering::Release);
+            } else {
+                let _ = l.compare_exchange(pool.id.0, 0, Ordering::AcqRel, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Whether user pool `pool` is live (as far as the thread caches go: slots beyond
@@ -1231,8 +1278,12 @@ impl DeviceAllocator {
         self.caches.reset_peaks(self.id);
         let mut st = self.lock();
         st.stats.reset_peak();
-        for p in &mut st.pools {
-            p.stats.reset_peak();
+        let board = self.caches.board.clone();
+        for p in st.pools.iter_mut().filter(|p| p.live) {
+            // Blocks cached again since the drain (a pool allocator's code run by it may free
+            // some) count as allocated in the pool's counters: left out of the new peaks.
+            let id = p.spec.id.0;
+            p.stats.reset_peak_less(if id == 0 { [0; 3] } else { board.pool_deferred(id) });
         }
     }
 
@@ -1295,6 +1346,7 @@ impl DeviceAllocator {
         // goes back as it is filed): first taken out of every cache, outside the lock.
         self.unlock(st, false);
         self.drain_caches();
+        self.caches.board.forget_pool(pool.id.0);
         let st = self.lock();
         #[cfg(feature = "tracing")]
         let held = {

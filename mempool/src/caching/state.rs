@@ -746,7 +746,7 @@ impl State {
             self.emit(Action::FreeRequested, block);
             self.emit(Action::FreeCompleted, block);
         }
-        if c.uncounted {
+        if let Some(owner) = &c.uncounted {
             // Cached blocks are never oversize.
             self.sink.on_free_requested(small, size, requested, false);
             self.sink.on_free_completed(small, size);
@@ -754,6 +754,11 @@ impl State {
             if pool != Slot::DEFAULT {
                 self.pools[pool.get()].stats.on_free_requested(size, requested);
             }
+            // Counted: its owner's record of it goes (under this lock, which pool censuses
+            // take too), and the decrease is committed, so that an allocation after it checks
+            // the peaks (a census may have left this block out while it waited).
+            owner.undefer_taken(c.word());
+            self.sink.commit_kind(small);
         } else if c.split {
             // It is filed below as any freed block, which counts the merged block as
             // inactive-split afresh; its own count from the cache goes first (as it was counted

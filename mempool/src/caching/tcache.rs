@@ -66,18 +66,32 @@ fn pack(block: BlockIdx, split: bool) -> u64 {
 const UNCOUNTED: u64 = 2;
 
 /// A block taken out of a cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub(super) struct Cached {
     pub(super) block: BlockIdx,
     /// The split flag its statistics were counted with when it was cached (its segment may
     /// have been split or cut since: expandable segments).
     pub(super) split: bool,
-    /// Its free was deferred and is not counted: whoever files it counts it.
-    pub(super) uncounted: bool,
+    /// Its free was deferred and is not counted: whoever files it counts it, then clears the
+    /// record of it in its owner's counters (the record stays until then, so readers never
+    /// count the block allocated while it is on its way to its free set).
+    pub(super) uncounted: Option<Arc<ThreadStats>>,
 }
 
-fn unpack(v: u64) -> Cached {
-    Cached { block: BlockIdx::from_key((v >> 2) as u32), split: v & 1 == 1, uncounted: v & UNCOUNTED != 0 }
+impl Cached {
+    /// Its slot word (as `pack` made it, with the deferred bit).
+    pub(super) fn word(&self) -> u64 {
+        pack(self.block, self.split) | if self.uncounted.is_some() { UNCOUNTED } else { 0 }
+    }
+}
+
+/// The block of slot word `v`, cached by the owner of `stats`.
+fn unpack(v: u64, stats: &Arc<ThreadStats>) -> Cached {
+    Cached {
+        block: BlockIdx::from_key((v >> 2) as u32),
+        split: v & 1 == 1,
+        uncounted: (v & UNCOUNTED != 0).then(|| stats.clone()),
+    }
 }
 
 /// The part of a thread cache other threads reach.
@@ -120,8 +134,7 @@ impl Shared {
             for s in bin {
                 let v = s.swap(0, Ordering::AcqRel);
                 if v != 0 {
-                    self.taken(v);
-                    into.push(unpack(v));
+                    into.push(unpack(v, &self.stats));
                 }
             }
         }
@@ -132,17 +145,8 @@ impl Shared {
     pub(super) fn drain_large(&self, into: &mut Vec<Cached>) {
         let v = self.slots[LARGE][0].swap(0, Ordering::AcqRel);
         if v != 0 {
-            self.taken(v);
-            into.push(unpack(v));
+            into.push(unpack(v, &self.stats));
             self.drains.fetch_add(1, Ordering::Release);
-        }
-    }
-
-    /// A drain took the block of word `v`: a deferred free becomes the drain's to count.
-    #[inline]
-    fn taken(&self, v: u64) {
-        if v & UNCOUNTED != 0 {
-            self.stats.undefer_taken(v);
         }
     }
 }
@@ -334,16 +338,15 @@ impl Owner {
         m.n = 0;
         self.bytes = self.bytes.saturating_sub(m.size);
         let v = self.shared.slots[LARGE][0].swap(0, Ordering::Acquire);
-        (v != 0).then(|| self.own_taken(unpack(v)))
+        (v != 0).then(|| self.own_taken(unpack(v, &self.shared.stats)))
     }
 
     /// The owner took a block out to file it: if its free was the deferred one, the filing
-    /// counts it.
+    /// counts it (and clears the record).
     #[inline(always)]
     fn own_taken(&mut self, c: Cached) -> Cached {
-        if c.uncounted {
+        if c.uncounted.is_some() {
             self.deferred = 0;
-            self.shared.stats.undefer();
         }
         c
     }
@@ -375,12 +378,12 @@ impl Owner {
         let m = &mut self.meta[bin];
         if m.pool.id != PoolId::DEFAULT {
             if s.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                self.shared.stats.undefer();
+                // The record stays until the block is filed (the filing clears it).
                 if m.n == slot + 1 {
                     m.n = slot;
                 }
                 self.bytes -= m.size;
-                return Some(unpack(word));
+                return Some(unpack(word, &self.shared.stats));
             }
             return None;
         }
@@ -409,10 +412,23 @@ impl Owner {
             self.bytes -= size;
             let v = self.shared.slots[i][m.n].swap(0, Ordering::Acquire);
             if v != 0 {
-                let Cached { block, split, uncounted } = unpack(v);
+                let (block, split, uncounted) = (BlockIdx::from_key((v >> 2) as u32), v & 1 == 1, v & UNCOUNTED != 0);
                 let hit = Hit { block, addr: m.addr[m.n], size, small: m.small, split, set: m.set, gen: m.gen };
                 self.hits += 1;
-                if uncounted {
+                if uncounted && self.shared.stats.take_clipped() {
+                    // A peak census left this block out while it waited: taken back, it may
+                    // make a new peak, so it is counted as a free and an allocation are.
+                    self.deferred = 0;
+                    if pool.id != PoolId::DEFAULT {
+                        // A pool's counters are under the lock: filed, and a miss.
+                        self.spill.push(unpack(v, &self.shared.stats));
+                        return None;
+                    }
+                    self.shared.stats.undefer();
+                    self.shared.stats.on_cache(board, self.slack, hit.small, size, requested, split);
+                    self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
+                    self.shared.stats.recheck_peaks(board, hit.small);
+                } else if uncounted {
                     // Its free was never counted: that free and this allocation cancel out.
                     self.deferred = 0;
                     self.shared.stats.undefer();
@@ -456,9 +472,11 @@ impl Owner {
         if self.bytes + size > MAX_BYTES {
             return false;
         }
-        // At most one deferred free at a time.
+        // At most one deferred free at a time. A user pool's settled block keeps its record
+        // until its caller files it: this block is then freed as usual.
         if let Some(c) = self.settle(board) {
             self.spill.push(c);
+            return false;
         }
         let defer = self.defer_wait == 0;
         if pool.id != PoolId::DEFAULT {
@@ -482,7 +500,7 @@ impl Owner {
             for s in &self.shared.slots[i][..m.n] {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
-                    self.spill.push(unpack(v));
+                    self.spill.push(unpack(v, &self.shared.stats));
                 }
             }
             self.bytes -= m.size * m.n;
@@ -537,15 +555,14 @@ impl Owner {
             for s in &self.shared.slots[i][..m.n] {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
-                    into.push(unpack(v));
+                    into.push(unpack(v, &self.shared.stats));
                 }
             }
             m.n = 0;
         }
-        if std::mem::take(&mut self.deferred) != 0 {
-            // Its block went into `into` (or a drain took it): the filing counts it.
-            self.shared.stats.undefer();
-        }
+        // Its block went into `into` (or a drain took it): the filing counts it and clears
+        // the record.
+        self.deferred = 0;
         self.bytes = 0;
     }
 
@@ -643,6 +660,11 @@ impl Sink {
     #[inline(always)]
     pub(super) fn on_free_completed(&self, small: bool, size: usize) {
         self.with(|t, b, s| t.on_free_completed(b, s, small, size));
+    }
+
+    /// Commits what a counted deferred free moved (see `ThreadStats::commit_kind`).
+    pub(super) fn commit_kind(&self, small: bool) {
+        self.with(|t, b, _| t.commit_kind(b, small));
     }
 
     #[inline(always)]
@@ -786,11 +808,10 @@ impl Registry {
     /// with one thread at a time the peaks stay exact.
     pub(super) fn reset_peaks(&self, id: AllocatorId) {
         let board = &self.board;
-        // (The caller drained every cache first: nothing is deferred, nothing to file.)
-        self.with_mine(id, |o| {
-            let _ = o.settle(board);
-            o.stats().commit_all(board)
-        });
+        // A deferred free stays deferred (a user pool's block could only be settled by filing
+        // it, under a lock the caller does not hold here): the sums leave it out, and the new
+        // peaks are marked for a check when it is taken back (`Board::reset_peaks`).
+        self.with_mine(id, |o| o.stats().commit_all(board));
         {
             let _r = lock(&self.retired_lock);
             board.retired.commit_all(board);
@@ -816,6 +837,16 @@ mod loom_tests {
     use super::*;
     use crate::id::StreamKey;
 
+    /// `loom::model`, the body on a thread with a larger stack (the owner's calls, inlined into
+    /// a debug build, overflow loom's default).
+    fn model(f: impl Fn() + Send + Sync + 'static) {
+        let f = std::sync::Arc::new(f);
+        loom::model(move || {
+            let f = f.clone();
+            loom::thread::Builder::new().stack_size(1 << 20).spawn(move || f()).unwrap().join().unwrap();
+        });
+    }
+
     fn b(i: usize) -> BlockIdx {
         BlockIdx::from_key(i as u32 + 1)
     }
@@ -840,7 +871,7 @@ mod loom_tests {
     /// handed out twice.
     #[test]
     fn owner_and_drain() {
-        loom::model(|| {
+        model(|| {
             let reg = Arc::new(Registry::default());
             let mut own = reg.make();
             let board = Board::default();
@@ -884,7 +915,7 @@ mod loom_tests {
     /// segment: each block ends up with exactly one party.
     #[test]
     fn large_bin_and_segment_drain() {
-        loom::model(|| {
+        model(|| {
             let reg = Arc::new(Registry::default());
             let mut own = reg.make();
             let board = Board::default();
@@ -925,7 +956,7 @@ mod loom_tests {
     /// sums read is cleared either way.
     #[test]
     fn deferred_free_is_counted_once() {
-        loom::model(|| {
+        model(|| {
             let reg = Arc::new(Registry::default());
             let mut own = reg.make();
             let board = Board::default();
@@ -940,7 +971,14 @@ mod loom_tests {
             });
             assert!(own.settle(&board).is_none(), "a default-pool block stays cached");
             let drained = drainer.join().unwrap();
-            let by_drain = drained.iter().filter(|c| c.uncounted).count();
+            let by_drain = drained.iter().filter(|c| c.uncounted.is_some()).count();
+            // Filing a drained deferred block clears its owner's record (the allocator's state
+            // does that under its lock; the count of the free is the filer's, not modelled here).
+            for c in &drained {
+                if let Some(owner) = &c.uncounted {
+                    owner.undefer_taken(c.word());
+                }
+            }
             // The owner's counters: -1 allocation if it counted the free (the allocation itself
             // was never counted here), with the deferred record taken off in the sum.
             let cur = reg.sum().current(crate::stats::ALLOCATION * 3);
@@ -948,7 +986,7 @@ mod loom_tests {
             assert_eq!(by_owner + by_drain, 1, "counted once: owner {cur}, drained {drained:?}");
             let mut left = Vec::new();
             reg.close(&mut left);
-            assert!(left.iter().all(|c| !c.uncounted), "{left:?}");
+            assert!(left.iter().all(|c| c.uncounted.is_none()), "{left:?}");
             assert_eq!(left.len() + drained.len(), 1);
             drop(own);
         });
@@ -958,7 +996,7 @@ mod loom_tests {
     /// highest value the sum can have reached and that plus the slack.
     #[test]
     fn concurrent_commits() {
-        loom::model(|| {
+        model(|| {
             let reg = Arc::new(Registry::default());
             let mut handles = Vec::new();
             for _ in 0..2 {
