@@ -405,6 +405,21 @@ impl DeviceAllocator {
         self.free_cached(blocks);
     }
 
+    /// Files the blocks this thread's cache set aside (`Owner::spill`), if any.
+    #[cold]
+    fn file_spill(&self) {
+        let spill = self.caches.with_mine(self.id, |tc| {
+            if tc.spill.is_empty() {
+                None
+            } else {
+                Some(std::mem::take(&mut tc.spill))
+            }
+        });
+        if let Some(Some(spill)) = spill {
+            self.free_cached(spill);
+        }
+    }
+
     /// Files blocks taken out of a thread cache, under one lock.
     fn free_cached(&self, blocks: impl IntoIterator<Item = tcache::Cached>) {
         let mut blocks = blocks.into_iter().peekable();
@@ -632,15 +647,12 @@ impl DeviceAllocator {
         if pool.slot != 0 && !self.pool_is_live(pool) {
             return None;
         }
-        let (h, spill) = self.caches.with_mine(self.id, |tc| {
-            let h = tc.take(board, stream, pool, req.size);
-            let spill = if tc.spill.is_empty() { None } else { Some(std::mem::take(&mut tc.spill)) };
-            (h, spill)
-        })?;
-        if let Some(spill) = spill {
-            self.free_cached(spill);
-        }
-        let h = h?;
+        let Some(h) = self.caches.with_mine(self.id, |tc| tc.take(board, stream, pool, req.size))? else {
+            // A miss; a block `take` set aside to be filed (a pool's, see `Owner::take`) is
+            // filed before the request takes the lock for itself.
+            self.file_spill();
+            return None;
+        };
         Some(Allocation {
             block: h.block,
             addr: h.addr,
