@@ -43,6 +43,36 @@ fn owner_of(addr: u64) -> Option<u64> {
     (addr >= REGION_BASE).then(|| (addr - REGION_BASE) >> REGION_SHIFT)
 }
 
+/// Threads that spin until dropped: the cores oversubscribed, so that the threads of a probe
+/// get preempted anywhere.
+struct Spinners(Arc<AtomicBool>, Vec<std::thread::JoinHandle<()>>);
+
+impl Spinners {
+    fn new(n: usize) -> Spinners {
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        Spinners(stop, threads)
+    }
+}
+
+impl Drop for Spinners {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+        for t in self.1.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
 /// H1: main holds a pool block as a deferred free; a worker allocates in the pool (the pool's
 /// peak check leaves main's deferred block out); main takes its block back (elided: no counter
 /// moves). Two blocks are then allocated at once; the pool's peak must say 2.
@@ -173,18 +203,7 @@ fn h4_a_graph_held_pools_block_is_cached() {
 fn stale_scope_trials(cache: bool, trials: usize) -> usize {
     let sim = SimDevice::new(1 << 30);
     let a = Allocator::sim_with(sim.clone(), cfg(cache));
-    let stop = Arc::new(AtomicBool::new(false));
-    // Oversubscribe the cores so that threads get preempted anywhere.
-    let spinners: Vec<_> = (0..4)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        })
-        .collect();
+    let spinners = Spinners::new(4);
     let mut stale_hits = 0;
     for trial in 0..trials {
         let src = Counting::new(Region(REGION_BASE + ((trial as u64 + 1) << REGION_SHIFT), AtomicU64::new(0)));
@@ -221,10 +240,7 @@ fn stale_scope_trials(cache: bool, trials: usize) -> usize {
         }
         assert_eq!(src.counts().live_bytes, 0, "trial {trial}: the released pool's segment went back");
     }
-    stop.store(true, Ordering::Relaxed);
-    for s in spinners {
-        s.join().unwrap();
-    }
+    drop(spinners);
     check_invariants(&a, Some(&sim));
     stale_hits
 }
@@ -249,17 +265,7 @@ fn h7_forgotten_scope_served_a_released_pools_block() {
 fn h8_settled_release_left_in_the_outbox() {
     let sim = SimDevice::new(1 << 30);
     let a = Allocator::sim(sim.clone());
-    let stop = Arc::new(AtomicBool::new(false));
-    let spinners: Vec<_> = (0..4)
-        .map(|_| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        })
-        .collect();
+    let spinners = Spinners::new(4);
     let mut found = None;
     for trial in 0..20_000 {
         let src = Counting::new(Region(REGION_BASE + ((trial as u64 + 1) << REGION_SHIFT), AtomicU64::new(0)));
@@ -323,10 +329,7 @@ fn h8_settled_release_left_in_the_outbox() {
         t.join().unwrap();
         break;
     }
-    stop.store(true, Ordering::Relaxed);
-    for s in spinners {
-        s.join().unwrap();
-    }
+    drop(spinners);
     let Some(held) = found else {
         eprintln!("the race was not hit");
         return;
