@@ -287,7 +287,7 @@ self_test() {
   expect_line "join.py allreduce: sides on different numbers of GPUs is an error" 1 \
     "! the sides ran on different numbers of GPUs: mempool 2, torch 4" \
     "$PY" "$here/join.py" allreduce allreduce_mempool.txt "$tmp/ar_world4.txt"
-  for f in join.py torch_allreduce.py; do
+  for f in join.py ranks.py torch_allreduce.py torch_symm.py; do
     expect "python compiles $f" 0 "" "$PY" -c 'import py_compile, sys; py_compile.compile(sys.argv[1], cfile=sys.argv[2], doraise=True)' "$here/$f" "$tmp/$f.pyc"
   done
   expect "torch_allreduce.py: --min-mb above --max-mb is a usage error" 2 "" \

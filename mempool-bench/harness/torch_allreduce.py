@@ -31,8 +31,9 @@ import os
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 
 import argparse  # noqa: E402
-import socket  # noqa: E402
 import sys  # noqa: E402
+
+from ranks import spawn_ranks  # noqa: E402
 
 WARMUP = 5
 # What the registered-pool column needs (PyTorch 2.11): (where, attribute).
@@ -166,34 +167,7 @@ def rank_main(rank, world, o):
 
 
 def main(argv):
-    o = options(argv)
-    try:
-        import torch
-        import torch.distributed as dist
-        import torch.multiprocessing as mp
-    except ImportError as e:
-        print("torch_allreduce.py: cannot import torch: %s" % e, file=sys.stderr)
-        return 1
-    if not (dist.is_available() and dist.is_nccl_available()):
-        print("torch_allreduce.py: this PyTorch (%s) has no NCCL backend for torch.distributed" % torch.__version__,
-              file=sys.stderr)
-        return 1
-    world = torch.cuda.device_count()
-    if world < 2:
-        print("# torch_allreduce.py: skipped: %d CUDA GPU(s) visible (CUDA_VISIBLE_DEVICES=%s); an all-reduce "
-              "comparison needs 2 or more" % (world, os.environ.get("CUDA_VISIBLE_DEVICES", "unset")), flush=True)
-        return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    try:
-        mp.spawn(rank_main, args=(world, o), nprocs=world, join=True)
-    except Exception as e:  # a rank raised (a wrong result among them) or died: the others are ended
-        print("torch_allreduce.py: FAILED: %s" % e, file=sys.stderr)
-        return 1
-    return 0
+    return spawn_ranks("torch_allreduce.py", rank_main, options(argv))
 
 
 if __name__ == "__main__":
