@@ -1,6 +1,6 @@
-//! Thread caches: each thread keeps, per allocator, the default-pool blocks it freed most
-//! recently, binned by (stream, bytes asked for), and hands them out again without taking any lock;
-//! and its own block-side statistics ([`ThreadStats`]).
+//! Thread caches: each thread keeps, per allocator, the blocks it freed most recently, binned by
+//! (stream, pool, bytes asked for), and hands them out again without taking any lock; and its own
+//! block-side statistics ([`ThreadStats`]).
 //!
 //! **Ownership of a cached block.** Each cache has `BINS × PER_BIN` slots, atomic words that
 //! hold a block (its index and whether its segment is split) or 0. Only the owning thread
@@ -10,8 +10,8 @@
 //! (`put`, `drain_own`), or another thread draining the cache (`drain`, for `empty_cache`,
 //! snapshots, `memory_stats`, the out-of-memory ladder, an exited thread's cache, and the
 //! allocator's `Drop`). The owner's hot path is one plain store (free) or one swap (reuse)
-//! on a cache line no other thread writes unless it drains; the bin keys (stream, size), counts
-//! and addresses are the owner's own, in its thread-local storage.
+//! on a cache line no other thread writes unless it drains; the bin keys (stream, pool, bytes
+//! asked for), counts and addresses are the owner's own, in its thread-local storage.
 //!
 //! Owner invariant: in each bin, the slots at or above the owner's count are 0 (the owner
 //! stores only at its count and then raises it; it lowers the count only after swapping the
@@ -20,12 +20,15 @@
 //!
 //! A cached block stays `Allocated` in the allocator's state (its segment cannot be given back,
 //! nothing else can carve it) while the statistics count it as free: its thread counted the free
-//! when it cached it. A taken-out block goes back through `State::free_cached`, which files it
-//! as any freed block (merging it with its neighbours).
+//! when it cached it, or, for the one block a thread may hold as a *deferred* free (the slot
+//! word's `UNCOUNTED` bit), records it for every reader to leave out (`ThreadStats::defer`). A
+//! taken-out block goes back through `State::free_cached`, which files it as any freed block
+//! (merging it with its neighbours), counting a deferred free and clearing its record.
 //!
-//! Only blocks that need nothing at free time are cached: default pools (user pools are released
-//! when their last block is freed), no other stream recorded, not oversize, no trace hook or
-//! history active (the hooks see every allocation and free).
+//! Only blocks that need nothing at free time are cached: no other stream recorded, not
+//! oversize, no trace hook or history active (the hooks see every allocation and free); a user
+//! pool's only as a deferred free, while the pool is live and no capture holds it (its own
+//! counters are kept under the allocator's lock: see ARCHITECTURE.md, "Thread caches").
 //!
 //! Locks here: the registry's list (a cache made, drains, sums), then `retired`. The
 //! allocator's state lock may be held when they are taken (a thread's first call makes its
