@@ -1,10 +1,36 @@
-"""ranks.py: how the harnesses' multi-GPU scripts (torch_allreduce.py, torch_symm.py) start their
-ranks: one process per visible CUDA GPU (torch.multiprocessing), NCCL's rendezvous on a free port of
+"""ranks.py: what the harnesses' multi-GPU scripts (torch_allreduce.py, torch_symm.py) share: how
+they start their ranks: one process per visible CUDA GPU (torch.multiprocessing), NCCL's rendezvous on a free port of
 this machine. The scripts set the multicast-off variables before anything imports torch; the rank
-processes inherit them."""
+processes inherit them. Also their option type, rank-0 printing, NCCL version and the
+registered-pool API they look for."""
+import argparse
 import os
 import socket
 import sys
+
+# What a registered-pool NCCL column needs (PyTorch 2.11): (where, attribute).
+POOL_API = (("torch.cuda", "MemPool"), ("torch.cuda", "use_mem_pool"), ("backend", "mem_allocator"),
+            ("backend", "register_mem_pool"), ("backend", "deregister_mem_pool"))
+
+
+def positive(text):
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError("%r is not a positive whole number" % text)
+    return v
+
+
+def say(rank, text):
+    if rank == 0:
+        print(text, flush=True)
+
+
+def nccl_version(torch):
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def spawn_ranks(name, rank_main, o):

@@ -33,23 +33,9 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from ranks import spawn_ranks  # noqa: E402
+from ranks import POOL_API, nccl_version, positive, say, spawn_ranks  # noqa: E402
 
 WARMUP = 5
-# What the registered-pool column needs (PyTorch 2.11): (where, attribute).
-POOL_API = (("torch.cuda", "MemPool"), ("torch.cuda", "use_mem_pool"), ("backend", "mem_allocator"),
-            ("backend", "register_mem_pool"), ("backend", "deregister_mem_pool"))
-
-
-def positive(text):
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError("%r is not a positive whole number" % text)
-    return v
-
 
 def options(argv):
     p = argparse.ArgumentParser(prog="torch_allreduce.py",
@@ -68,11 +54,6 @@ def sizes(o):
     while mb <= o.max_mb:
         yield mb
         mb *= 2
-
-
-def say(rank, text):
-    if rank == 0:
-        print(text, flush=True)
 
 
 def time_per_call(torch, dist, t, rank, world, iters, what):
@@ -102,11 +83,6 @@ def figures(seconds, nbytes, factor):
     if seconds is None:
         return "-", "-"
     return "%.1f" % (seconds * 1e6), "%.1f" % (nbytes / seconds / 1e9 * factor)
-
-
-def nccl_version(torch):
-    v = torch.cuda.nccl.version()
-    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def rank_main(rank, world, o):

@@ -50,24 +50,10 @@ for _name, _value in MULTICAST_OFF:
 import argparse  # noqa: E402
 import sys  # noqa: E402
 
-from ranks import spawn_ranks  # noqa: E402
+from ranks import POOL_API, nccl_version, positive, say, spawn_ranks  # noqa: E402
 
 WARMUP = 5
 SIZES = [4096 << k for k in range(9)]  # 4 KiB .. 1 MiB
-# What the registered-pool NCCL column needs (PyTorch 2.11): (where, attribute).
-POOL_API = (("torch.cuda", "MemPool"), ("torch.cuda", "use_mem_pool"), ("backend", "mem_allocator"),
-            ("backend", "register_mem_pool"), ("backend", "deregister_mem_pool"))
-
-
-def positive(text):
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError("%r is not a positive whole number" % text)
-    return v
-
 
 def options(argv):
     p = argparse.ArgumentParser(prog="torch_symm.py",
@@ -75,11 +61,6 @@ def options(argv):
                                             "all-reduce, 4 KiB to 1 MiB, one process a GPU")
     p.add_argument("--iters", type=positive, default=1000, help="timed calls per size and column (1000)")
     return p.parse_args(argv)
-
-
-def say(rank, text):
-    if rank == 0:
-        print(text, flush=True)
 
 
 def check(rank, out, want, what):
@@ -117,11 +98,6 @@ def us(seconds):
 
 def busbw(seconds, nbytes, factor):
     return "-" if seconds is None else "%.2f" % (nbytes / seconds / 1e9 * factor)
-
-
-def nccl_version(torch):
-    v = torch.cuda.nccl.version()
-    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def torch_release(torch):
