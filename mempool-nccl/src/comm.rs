@@ -37,6 +37,11 @@ impl Id {
     pub fn from_bytes(bytes: [u8; 128]) -> Id {
         Id(sys::ncclUniqueId { internal: bytes.map(|b| b as std::ffi::c_char) })
     }
+
+    /// A 64-bit FNV-1a hash of the bytes: the same in every process and every build.
+    pub(crate) fn fingerprint(&self) -> u64 {
+        self.to_bytes().iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+    }
 }
 
 impl std::fmt::Debug for Id {
@@ -50,6 +55,11 @@ struct CommInner {
     rank: usize,
     world: usize,
     ctx: Arc<CudaContext>,
+    /// A hash of the id every rank joined with (`None`: `ncclCommInitAll`, every rank in this
+    /// process), which names the communicator's rendezvous sockets (symmetric memory).
+    bootstrap: Option<u64>,
+    /// Symmetric allocations begun on this rank (collective, so the same count on every rank).
+    symm_seq: std::sync::atomic::AtomicU64,
 }
 
 /// An NCCL communicator: one rank of a group of devices. Collectives take cudarc buffers or
@@ -89,10 +99,26 @@ impl Communicator {
     /// # Safety
     /// `raw` is a live communicator of `ctx`'s device, of rank `rank` in `world`, owned by
     /// nothing else.
-    unsafe fn wrap(raw: sys::ncclComm_t, rank: usize, world: usize, ctx: Arc<CudaContext>) -> Communicator {
+    unsafe fn wrap(
+        raw: sys::ncclComm_t,
+        rank: usize,
+        world: usize,
+        ctx: Arc<CudaContext>,
+        bootstrap: Option<u64>,
+    ) -> Communicator {
         // SAFETY: passed on from the caller.
         let ops = unsafe { NcclComm::new(raw, ctx.clone()) };
-        Communicator { inner: Arc::new(CommInner { handle: CommHandle::new(Box::new(ops)), rank, world, ctx }) }
+        let handle = CommHandle::new(Box::new(ops));
+        let symm_seq = std::sync::atomic::AtomicU64::new(0);
+        Communicator { inner: Arc::new(CommInner { handle, rank, world, ctx, bootstrap, symm_seq }) }
+    }
+
+    /// The name of this communicator's next rendezvous between processes (a hash of its id, and
+    /// the count of symmetric allocations before this one; the same on every rank, since they
+    /// are collective), or `None` when every rank is in this process (`all_local`).
+    pub(crate) fn next_rendezvous(&self) -> Option<(u64, u64)> {
+        let seq = self.inner.symm_seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.bootstrap.map(|h| (h, seq))
     }
 
     /// One communicator per device, all in this process (`ncclCommInitAll`); hand one to each
@@ -115,7 +141,7 @@ impl Communicator {
             .enumerate()
             // SAFETY: `ncclCommInitAll` made `raw` for `devices[r]` as rank `r` of `world`; each
             // is wrapped once.
-            .map(|(r, (raw, ctx))| unsafe { Communicator::wrap(raw, r, world, ctx) })
+            .map(|(r, (raw, ctx))| unsafe { Communicator::wrap(raw, r, world, ctx, None) })
             .collect())
     }
 
@@ -134,7 +160,7 @@ impl Communicator {
             .map_err(|e| nccl("ncclCommInitRank", e))?;
         // SAFETY: `ncclCommInitRank` made `raw` on `device` (current above) as rank `rank` of
         // `world_size`; it is wrapped once.
-        Ok(unsafe { Communicator::wrap(raw, rank, world_size, ctx) })
+        Ok(unsafe { Communicator::wrap(raw, rank, world_size, ctx, Some(id.fingerprint())) })
     }
 
     /// This process's rank from the launcher's environment ([`LaunchEnv`]: `RANK`/`WORLD_SIZE`/

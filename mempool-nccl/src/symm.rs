@@ -24,13 +24,22 @@
 //! **Allocation and rendezvous.** [`symm_empty`] is collective: every rank makes one physical
 //! allocation on its device (`cuMemCreate`: the data, then a signal pad of
 //! `world_size × (CHANNELS + 64)` 32-bit words: the channels, then the one-shot kernel's own),
-//! the ranks exchange (process, size, handle, device) through the communicator's all-gather and check that every rank asked for the same size
-//! before anyone maps anything (all fail together, with the sizes in the error); then each rank
-//! maps every rank's allocation into its own address range, readable and writable by its own
-//! device (`cuMemMap`, `cuMemSetAccess`), zeroes its own pad, and a second all-gather tells
-//! everyone that every rank is mapped, after which each rank lets go of its handle (the mappings
-//! keep the memory). Ranks in one process (threads) share handles directly; ranks in several
-//! processes are not supported yet (a clear error on every rank).
+//! the ranks exchange (process, size, handle, device) and check that every rank asked for the
+//! same size before anyone maps anything (all fail together, with the sizes in the error); then
+//! each rank maps every rank's allocation into its own address range, readable and writable by
+//! its own device (`cuMemMap`, `cuMemSetAccess`), zeroes its own pad, and a second exchange
+//! tells everyone that every rank is mapped, after which each rank lets go of its handle (the
+//! mappings keep the memory). How the ranks exchange depends on the communicator:
+//! - made by [`Communicator::all_local`] (every rank a thread of this process): through the
+//!   communicator's all-gather, handles shared as they are;
+//! - made with an id ([`Communicator::new`], [`Communicator::from_env`]), ranks in any processes
+//!   of this machine: allocations exportable as POSIX file descriptors; each rank listens on an
+//!   abstract Unix socket named by the id, the count of symmetric allocations on the
+//!   communicator and its rank, connects to every other rank's, and sends its figures with its
+//!   descriptor attached (`SCM_RIGHTS`); peers import it (`cuMemImportFromShareableHandle`).
+//!   Every wait ends at [`SymmOptions::timeout`] with an error naming the ranks not heard from;
+//!   a rank that leaves (its process exits) is named at once. Nothing stays allocated, mapped
+//!   or open after an error.
 //!
 //! **Lifetime.** Each rank's [`SymmMemory`] owns its mappings only: dropping it waits for its
 //! device's work and unmaps them; another rank's memory stays alive as long as any rank maps it,
@@ -46,8 +55,13 @@
 //!
 //! **Multicast stays off**: nothing here creates a multicast object.
 
+use std::io::ErrorKind;
 use std::marker::PhantomData;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
@@ -332,14 +346,51 @@ fn gather(comm: &Communicator, mine: &[u64], stream: &Arc<CudaStream>) -> Result
     stream.clone_dtoh(&all).map_err(Error::cuda)
 }
 
-/// Allocates `len` elements of `T` on every rank of `comm` and maps them all everywhere
-/// (collective: every rank calls it, with the same `len`, on a stream of its device). See the
-/// [module](self). Errors, on every rank alike: ranks asking for different sizes, ranks in
-/// several processes (not supported yet), a device that cannot map a peer's memory.
+/// Options of [`symm_empty_with`].
+#[derive(Debug, Clone)]
+pub struct SymmOptions {
+    timeout: Duration,
+}
+
+impl Default for SymmOptions {
+    fn default() -> SymmOptions {
+        SymmOptions { timeout: Duration::from_secs(120) }
+    }
+}
+
+impl SymmOptions {
+    /// The defaults: a rendezvous between processes waits at most 120 s for every rank.
+    pub fn new() -> SymmOptions {
+        SymmOptions::default()
+    }
+
+    /// How long a rendezvous between processes waits for the other ranks before it fails,
+    /// naming the ranks it did not hear from.
+    pub fn timeout(mut self, timeout: Duration) -> SymmOptions {
+        self.timeout = timeout;
+        self
+    }
+}
+
+/// [`symm_empty_with`] with the default options.
 pub fn symm_empty<T: mempool::AnyBitPattern>(
     comm: &Communicator,
     len: usize,
     stream: &Arc<CudaStream>,
+) -> Result<SymmMemory<T>> {
+    symm_empty_with(comm, len, stream, &SymmOptions::default())
+}
+
+/// Allocates `len` elements of `T` on every rank of `comm` and maps them all everywhere
+/// (collective: every rank calls it, with the same `len`, on a stream of its device). See the
+/// [module](self). Errors, on every rank alike: ranks asking for different sizes, a device that
+/// cannot map a peer's memory; between processes, a rank not heard from within
+/// `options`' timeout (named), or one that left.
+pub fn symm_empty_with<T: mempool::AnyBitPattern>(
+    comm: &Communicator,
+    len: usize,
+    stream: &Arc<CudaStream>,
+    options: &SymmOptions,
 ) -> Result<SymmMemory<T>> {
     let (rank, world, device) = (comm.rank(), comm.world_size(), comm.device());
     let ctx = comm.context().clone();
@@ -360,30 +411,82 @@ pub fn symm_empty<T: mempool::AnyBitPattern>(
     })?;
     let pad = world * (CHANNELS + KERNEL_SLOTS) * 4;
     let bytes = (data_bytes + pad).next_multiple_of(gran.max(1));
+    let layout = Layout { rank, world, device, bytes, data_bytes, pad };
+    let bases = match comm.next_rendezvous() {
+        None => rendezvous_in_process(comm, &layout, stream)?,
+        Some(key) => rendezvous_across_processes(key, &layout, stream, options.timeout)?,
+    };
+    Ok(SymmMemory {
+        ctx,
+        rank,
+        world,
+        len,
+        data_bytes,
+        bytes,
+        bases,
+        one_shot: std::sync::OnceLock::new(),
+        _elem: PhantomData,
+    })
+}
+
+/// What every rank allocates: `bytes` (data, then the pad), on `device`.
+struct Layout {
+    rank: usize,
+    world: usize,
+    device: usize,
+    bytes: usize,
+    data_bytes: usize,
+    pad: usize,
+}
+
+/// A physical allocation's handle, released when dropped (its mappings keep the memory).
+struct Handle(sys::CUmemGenericAllocationHandle);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        if self.0 != 0 {
+            // SAFETY: a handle this value owns (made or imported here), released once.
+            let _ = unsafe { sys::cuMemRelease(self.0) };
+        }
+    }
+}
+
+/// Ranges `map` made, unmapped when dropped unless taken.
+struct Mapped {
+    bases: Vec<u64>,
+    bytes: usize,
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        unmap_all(&self.bases, self.bytes);
+    }
+}
+
+/// Zeroes this rank's own pad (`layout.pad` bytes after the data at `base`) and waits for it.
+fn zero_own_pad(base: u64, layout: &Layout, stream: &Arc<CudaStream>) -> Result<()> {
+    // SAFETY: our own pad, inside the range mapped for this device; the stream is this device's.
+    let r = unsafe { sys::cuMemsetD8Async(base + layout.data_bytes as u64, 0, layout.pad, stream.cu_stream()) };
+    cuda("cuMemsetD8Async", r).and_then(|()| stream.synchronize().map_err(Error::cuda))
+}
+
+/// Every rank in this process (`Communicator::all_local`): handles are shared as they are,
+/// through the communicator's all-gather.
+fn rendezvous_in_process(comm: &Communicator, l: &Layout, stream: &Arc<CudaStream>) -> Result<Vec<u64>> {
+    let (rank, world, bytes) = (l.rank, l.world, l.bytes);
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    let p = prop(l.device);
     // SAFETY: out-parameter; a valid property struct for this device.
     let made = cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &p, 0) });
+    let own = Handle(if made.is_ok() { handle } else { 0 });
     // Every rank learns every rank's (process, size, handle, device, made) before anyone maps.
-    let mine = [u64::from(std::process::id()), bytes as u64, handle, device as u64, u64::from(made.is_ok())];
-    let all = gather(comm, &mine, stream);
-    let release = |h: sys::CUmemGenericAllocationHandle| {
-        if h != 0 {
-            // SAFETY: our own allocation's handle, released once.
-            let _ = unsafe { sys::cuMemRelease(h) };
-        }
-    };
-    let all = match all {
-        Ok(a) => a,
-        Err(e) => {
-            release(handle);
-            return Err(e);
-        }
-    };
+    let mine = [u64::from(std::process::id()), bytes as u64, own.0, l.device as u64, u64::from(made.is_ok())];
+    let all = gather(comm, &mine, stream)?;
     let field = |r: usize, k: usize| all[5 * r + k];
     let failure = if let Some(r) = (0..world).find(|&r| field(r, 4) == 0) {
         Some(format!("rank {r} could not allocate its memory"))
     } else if (0..world).any(|r| field(r, 0) != field(0, 0)) {
-        Some("the ranks are in several processes: symmetric memory across processes is not supported yet".into())
+        Some("the ranks of a communicator made by all_local are in several processes".into())
     } else if (0..world).any(|r| field(r, 1) != bytes as u64) {
         let sizes: Vec<u64> = (0..world).map(|r| field(r, 1)).collect();
         Some(format!("every rank must ask for the same size; the ranks' allocations are {sizes:?} bytes"))
@@ -391,15 +494,14 @@ pub fn symm_empty<T: mempool::AnyBitPattern>(
         None
     };
     if let Some(why) = failure {
-        release(handle);
         made?;
         return Err(Error::Symmetric(why));
     }
-    let mut bases = Vec::with_capacity(world);
+    let mut mapped = Mapped { bases: Vec::with_capacity(world), bytes };
     let mut failed = None;
     for r in 0..world {
-        match map(field(r, 2), bytes, device) {
-            Ok(va) => bases.push(va),
+        match map(field(r, 2), bytes, l.device) {
+            Ok(va) => mapped.bases.push(va),
             Err(e) => {
                 failed = Some(format!("rank {rank} could not map rank {r}'s memory: {e}"));
                 break;
@@ -408,10 +510,7 @@ pub fn symm_empty<T: mempool::AnyBitPattern>(
     }
     if failed.is_none() {
         // Zero our own pad before anyone signals into it.
-        // SAFETY: our own pad, inside the range mapped above for this device; the stream is
-        // this device's.
-        let r = unsafe { sys::cuMemsetD8Async(bases[rank] + data_bytes as u64, 0, pad, stream.cu_stream()) };
-        if let Err(e) = cuda("cuMemsetD8Async", r).and_then(|()| stream.synchronize().map_err(Error::cuda)) {
+        if let Err(e) = zero_own_pad(mapped.bases[rank], l, stream) {
             failed = Some(e.to_string());
         }
     }
@@ -419,31 +518,230 @@ pub fn symm_empty<T: mempool::AnyBitPattern>(
     let ok = gather(comm, &[u64::from(failed.is_none())], stream);
     let everyone = ok.as_ref().map(|v| v.iter().position(|&x| x == 0));
     match (failed, everyone) {
-        (None, Ok(None)) => {
-            release(handle);
-            Ok(SymmMemory {
-                ctx,
-                rank,
-                world,
-                len,
-                data_bytes,
-                bytes,
-                bases,
-                one_shot: std::sync::OnceLock::new(),
-                _elem: PhantomData,
-            })
+        (None, Ok(None)) => Ok(std::mem::take(&mut mapped.bases)),
+        (why, other) => Err(Error::Symmetric(why.unwrap_or_else(|| match other {
+            Ok(Some(r)) => format!("rank {r} could not map the ranks' memory"),
+            Ok(None) => unreachable!("handled above"),
+            Err(e) => e.to_string(),
+        }))),
+    }
+}
+
+/// The first word of every rendezvous message, then its round.
+const MAGIC: u64 = u64::from_le_bytes(*b"mpsymm01");
+
+/// A rendezvous message: words.
+fn message(words: &[u64]) -> Vec<u8> {
+    words.iter().flat_map(|w| w.to_le_bytes()).collect()
+}
+
+/// The words of a message of round `round` with `n` words after the round, or why not.
+fn words(data: &[u8], round: u64, n: usize) -> std::result::Result<Vec<u64>, String> {
+    let w: Vec<u64> = data.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+    if data.len() != 8 * (n + 2) || w[0] != MAGIC || w[1] != round {
+        return Err(format!("a message that is not round {round} of a symmetric-memory rendezvous"));
+    }
+    Ok(w[2..].to_vec())
+}
+
+/// What a peer said in the first round.
+struct Peer {
+    pid: u64,
+    bytes: u64,
+    made: bool,
+    handle: u64,
+    fd: Option<OwnedFd>,
+    /// The connection it sends on.
+    conn: UnixStream,
+}
+
+/// Ranks created with an id (`Communicator::new`, `from_env`), in any processes of this
+/// machine: each rank listens on an abstract Unix socket named by the communicator's id, the
+/// count of symmetric allocations and its rank; connects to every other rank's and sends (its
+/// rank, process, size, device, whether it allocated, its handle) with the allocation's file
+/// descriptor attached (`SCM_RIGHTS`); hears every other rank the same way; checks; maps every
+/// allocation (imported from its descriptor, or by handle within this process); zeroes its
+/// pad; then a second round says who mapped, before anyone lets go of a handle. Each wait ends
+/// at `timeout`, naming the ranks not heard from; a rank that leaves is named at once.
+fn rendezvous_across_processes(
+    (id, seq): (u64, u64),
+    l: &Layout,
+    stream: &Arc<CudaStream>,
+    timeout: Duration,
+) -> Result<Vec<u64>> {
+    let (rank, world, bytes) = (l.rank, l.world, l.bytes);
+    let deadline = Instant::now() + timeout;
+    let fail = |m: String| Error::Symmetric(format!("rank {rank}: {m}"));
+    let name = |r: usize| format!("mempool-symm-{id:016x}-{seq}-{r}");
+    let addr = |r: usize| {
+        SocketAddr::from_abstract_name(name(r).as_bytes()).map_err(|e| fail(format!("socket name {}: {e}", name(r))))
+    };
+    let left = |what: &str| {
+        let now = Instant::now();
+        if now >= deadline {
+            Err(fail(format!("{what} within {timeout:?}")))
+        } else {
+            Ok((deadline - now).max(Duration::from_millis(1)))
         }
-        (why, other) => {
-            unmap_all(&bases, bytes);
-            release(handle);
-            let why = why.unwrap_or_else(|| match other {
-                Ok(Some(r)) => format!("rank {r} could not map the ranks' memory"),
-                Ok(None) => unreachable!("handled above"),
-                Err(e) => e.to_string(),
-            });
-            Err(Error::Symmetric(why))
+    };
+    // Our allocation, exportable as a file descriptor.
+    let mut p = prop(l.device);
+    p.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    let mut raw = 0;
+    // SAFETY: out-parameter; a valid property struct for this device.
+    let made = cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut raw, bytes, &p, 0) });
+    let own = Handle(if made.is_ok() { raw } else { 0 });
+    let fd = made.and_then(|()| {
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: out-parameter of the handle type asked for; a live handle made with it.
+        cuda("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                own.0,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: the driver just opened `fd` for us; owned once, here.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    });
+    let pid = u64::from(std::process::id());
+    let listener = UnixListener::bind_addr(&addr(rank)?)
+        .and_then(|s| s.set_nonblocking(true).map(|()| s))
+        .map_err(|e| fail(format!("could not open its rendezvous socket {}: {e}", name(rank))))?;
+    // Round 1, out: to every other rank, as soon as it listens.
+    let first = message(&[MAGIC, 1, rank as u64, pid, bytes as u64, l.device as u64, u64::from(fd.is_ok()), own.0]);
+    let mut out: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
+    for q in (0..world).filter(|&q| q != rank) {
+        let conn = loop {
+            match UnixStream::connect_addr(&addr(q)?) {
+                Ok(c) => break c,
+                Err(e) if matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound) => {
+                    left(&format!(
+                        "rank {q} never opened its rendezvous socket (not started, gone, or not on this machine)"
+                    ))?;
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(e) => return Err(fail(format!("connecting to rank {q}: {e}"))),
+            }
+        };
+        let fds: Vec<BorrowedFd<'_>> = fd.as_ref().ok().map(|f| f.as_fd()).into_iter().collect();
+        mempool::ipc::send_message(&conn, &first, &fds)
+            .map_err(|e| fail(format!("rank {q} left the rendezvous: {e}")))?;
+        out[q] = Some(conn);
+    }
+    // Round 1, in: every other rank.
+    let mut peers: Vec<Option<Peer>> = (0..world).map(|_| None).collect();
+    let mut heard = 0;
+    while heard < world - 1 {
+        let conn = match listener.accept() {
+            Ok((c, _)) => c,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                let silent: Vec<usize> = (0..world).filter(|&q| q != rank && peers[q].is_none()).collect();
+                left(&format!("heard nothing from rank(s) {silent:?}"))?;
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+            Err(e) => return Err(fail(format!("accepting a peer: {e}"))),
+        };
+        let wait = left("a peer connected but sent nothing")?;
+        let got = conn
+            .set_nonblocking(false)
+            .and_then(|()| conn.set_read_timeout(Some(wait)))
+            .and_then(|()| mempool::ipc::receive_message(&conn, 64))
+            .map_err(|e| fail(format!("reading a peer's first message: {e}")))?;
+        let (data, fds) = got;
+        let w = words(&data, 1, 6).map_err(fail)?;
+        let q = w[0] as usize;
+        if q >= world || q == rank || peers[q].is_some() {
+            return Err(fail(format!("a first message from rank {q}, which is not a peer still to hear from")));
+        }
+        peers[q] =
+            Some(Peer { pid: w[1], bytes: w[2], made: w[4] != 0, handle: w[5], fd: fds.into_iter().next(), conn });
+        heard += 1;
+    }
+    // Every rank has every rank's figures: every rank reaches the same verdict.
+    let figure = |q: usize, f: &dyn Fn(&Peer) -> u64, mine: u64| peers[q].as_ref().map_or(mine, f);
+    if let Some(q) = (0..world).find(|&q| figure(q, &|p| u64::from(p.made), u64::from(fd.is_ok())) == 0) {
+        return Err(match (&fd, q == rank) {
+            (Err(e), true) => fail(format!("could not allocate its memory: {e}")),
+            _ => fail(format!("rank {q} could not allocate its memory")),
+        });
+    }
+    let sizes: Vec<u64> = (0..world).map(|q| figure(q, &|p| p.bytes, bytes as u64)).collect();
+    if sizes.iter().any(|&b| b != bytes as u64) {
+        return Err(Error::Symmetric(format!(
+            "every rank must ask for the same size; the ranks' allocations are {sizes:?} bytes"
+        )));
+    }
+    let mut mapped = Mapped { bases: Vec::with_capacity(world), bytes };
+    let mut failed = None;
+    for (q, peer) in peers.iter().enumerate() {
+        let va = match peer {
+            None => map(own.0, bytes, l.device),
+            // A handle of this process is valid here as it is.
+            Some(peer) if peer.pid == pid => map(peer.handle, bytes, l.device),
+            Some(peer) => import(peer.fd.as_ref()).and_then(|h| map(h.0, bytes, l.device)),
+        };
+        match va {
+            Ok(va) => mapped.bases.push(va),
+            Err(e) => {
+                failed = Some(format!("could not map rank {q}'s memory: {e}"));
+                break;
+            }
         }
     }
+    if failed.is_none() {
+        if let Err(e) = zero_own_pad(mapped.bases[rank], l, stream) {
+            failed = Some(e.to_string());
+        }
+    }
+    // Round 2: who mapped. Nobody lets go of its handle (or descriptor) before everyone has.
+    let second = message(&[MAGIC, 2, u64::from(failed.is_none())]);
+    for q in (0..world).filter(|&q| q != rank) {
+        let conn = out[q].as_ref().expect("connected in round 1");
+        mempool::ipc::send_message(conn, &second, &[])
+            .map_err(|e| fail(format!("rank {q} left the rendezvous: {e}")))?;
+    }
+    let mut not_mapped = None;
+    for q in (0..world).filter(|&q| q != rank) {
+        let conn = &peers[q].as_ref().expect("heard in round 1").conn;
+        let wait = left(&format!("rank {q} did not say whether it mapped"))?;
+        let data = conn
+            .set_read_timeout(Some(wait))
+            .and_then(|()| mempool::ipc::receive_message(conn, 64))
+            .map(|(data, _)| data)
+            .map_err(|e| match e.kind() {
+                ErrorKind::WouldBlock | ErrorKind::TimedOut => {
+                    fail(format!("rank {q} did not say whether it mapped within {timeout:?}"))
+                }
+                _ => fail(format!("rank {q} left the rendezvous before its second message: {e}")),
+            })?;
+        if words(&data, 2, 1).map_err(fail)?[0] == 0 && not_mapped.is_none() {
+            not_mapped = Some(q);
+        }
+    }
+    match (failed, not_mapped) {
+        (None, None) => Ok(std::mem::take(&mut mapped.bases)),
+        (Some(why), _) => Err(fail(why)),
+        (None, Some(q)) => Err(fail(format!("rank {q} could not map the ranks' memory"))),
+    }
+}
+
+/// A peer's allocation, from the file descriptor it sent.
+fn import(fd: Option<&OwnedFd>) -> Result<Handle> {
+    let fd = fd.ok_or_else(|| Error::Symmetric("its first message came without a file descriptor".into()))?;
+    let mut h = 0;
+    // SAFETY: out-parameter; a descriptor `cuMemExportToShareableHandle` made (passed as the
+    // integer the driver takes for this handle type), open for the call.
+    cuda("cuMemImportFromShareableHandle", unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut h,
+            fd.as_raw_fd() as isize as *mut std::ffi::c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    })?;
+    Ok(Handle(h))
 }
 
 impl<T> SymmMemory<T> {

@@ -491,14 +491,41 @@ fn all_reduce_captured_in_a_graph_on_an_nccl_pool() {
 #[test]
 #[ignore = "needs CUDA GPUs with NCCL"]
 fn symmetric_memory_patterns_signals_and_barriers() {
+    let results = on_every_gpu(move |comm| symm_rank_checks(&comm));
+    assert_eq!(results.len(), gpus());
+}
+
+/// The same checks with communicators made from an id, one thread per GPU: the rendezvous
+/// between processes (sockets, descriptors), its ranks all in this process.
+#[test]
+#[ignore = "needs CUDA GPUs with NCCL"]
+fn symmetric_memory_with_id_communicators_threads() {
+    let id = mempool_nccl::Id::new().unwrap();
+    let n = gpus();
+    let threads: Vec<_> = (0..n)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let comm = Communicator::new(&id, r, n, r).expect("communicator");
+                symm_rank_checks(&comm)
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("rank thread");
+    }
+}
+
+/// One rank's symmetric-memory checks (every rank of `comm` runs them): see
+/// `symmetric_memory_patterns_signals_and_barriers`.
+fn symm_rank_checks(comm: &Communicator) -> usize {
     use mempool_nccl::symm::{symm_empty, CHANNELS};
     const N: usize = 1 << 20;
     let pattern =
         |r: usize| -> Vec<u32> { (0..N as u32).map(|i| i.wrapping_mul(2_654_435_761) ^ (r as u32 + 1)).collect() };
-    let results = on_every_gpu(move |comm| {
+    {
         let (rank, world) = (comm.rank(), comm.world_size());
         let stream = comm.context().new_stream().unwrap();
-        let symm = symm_empty::<u32>(&comm, N, &stream).unwrap();
+        let symm = symm_empty::<u32>(comm, N, &stream).unwrap();
         assert_eq!((symm.buffer_ptrs().len(), symm.signal_pad_ptrs().len()), (world, world));
         let mut mine = symm.peer(rank, &stream).unwrap();
         stream.memcpy_htod(&pattern(rank), &mut mine).unwrap();
@@ -531,7 +558,7 @@ fn symmetric_memory_patterns_signals_and_barriers() {
         symm.barrier(3, &stream).unwrap();
         stream.synchronize().unwrap();
         // A one-shot all-reduce of f32 symmetric memory: every rank gets the sum.
-        let f = symm_empty::<f32>(&comm, 1000, &stream).unwrap();
+        let f = symm_empty::<f32>(comm, 1000, &stream).unwrap();
         let vals: Vec<f32> = (0..1000).map(|i| (i * (rank + 1)) as f32).collect();
         stream.memcpy_htod(&vals, &mut f.peer(rank, &stream).unwrap()).unwrap();
         let mut out = alloc.alloc::<f32>(1000).unwrap();
@@ -545,7 +572,7 @@ fn symmetric_memory_patterns_signals_and_barriers() {
         // Sizes with a tail after the four-at-a-time part, and an output that is not 16-byte
         // aligned (one element into a buffer): the one-at-a-time path.
         for n in [1003usize, 4099, 262_147] {
-            let g = symm_empty::<f32>(&comm, n, &stream).unwrap();
+            let g = symm_empty::<f32>(comm, n, &stream).unwrap();
             let vals: Vec<f32> = (0..n).map(|i| ((i % 1000) * (rank + 1)) as f32).collect();
             stream.memcpy_htod(&vals, &mut g.peer(rank, &stream).unwrap()).unwrap();
             let want: Vec<f32> = (0..n).map(|i| (1..=world).map(|k| ((i % 1000) * k) as f32).sum()).collect();
@@ -570,8 +597,7 @@ fn symmetric_memory_patterns_signals_and_barriers() {
         assert!(symm.put_signal(world, 0, &stream).is_err());
         assert!(symm.wait_signal(0, CHANNELS, &stream).is_err());
         rank
-    });
-    assert_eq!(results.len(), gpus());
+    }
 }
 
 /// Ranks asking for different sizes: every rank gets the same clear error, nothing mapped.
@@ -610,4 +636,115 @@ fn one_shot_all_reduce_on_one_rank() {
         g.one_shot_all_reduce(&mut out, &stream).unwrap();
         assert!(stream.clone_dtoh(&out).unwrap() == vals, "one rank: the sum is its data ({n})");
     }
+}
+
+const SYMM_CHILD: &str = "MEMPOOL_SYMM_TEST_CHILD";
+const SYMM_ID: &str = "MEMPOOL_SYMM_TEST_ID";
+
+/// Runs `test` (a `child_*` test of this file) as `ranks` processes, rank `r` on GPU `r`, all
+/// joining one communicator id; each must pass within three minutes.
+fn symm_processes(test: &str, ranks: usize) {
+    let id = mempool_nccl::Id::new().unwrap();
+    let hex: String = id.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..ranks)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args([test, "--exact", "--include-ignored", "--nocapture"])
+                .env(SYMM_CHILD, rank.to_string())
+                .env(SYMM_ID, &hex)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    for (rank, mut c) in children.into_iter().enumerate() {
+        loop {
+            if let Some(status) = c.try_wait().unwrap() {
+                assert!(status.success(), "rank {rank}'s process failed: {status}");
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                panic!("rank {rank}'s process did not finish in time");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// This process's rank and communicator, when `symm_processes` launched it.
+fn symm_child(world: usize) -> Option<Communicator> {
+    let rank: usize = std::env::var(SYMM_CHILD).ok()?.parse().unwrap();
+    let hex = std::env::var(SYMM_ID).unwrap();
+    let bytes: Vec<u8> = (0..128).map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap()).collect();
+    let id = mempool_nccl::Id::from_bytes(bytes.try_into().unwrap());
+    Some(Communicator::new(&id, rank, world, rank).expect("communicator"))
+}
+
+/// Symmetric memory between two processes (descriptors over Unix sockets): every check of
+/// the threaded test, then ranks asking for different sizes get the same error.
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn symmetric_memory_across_two_processes() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: two processes need two");
+        return;
+    }
+    symm_processes("child_symmetric_memory_rank", 2);
+}
+
+/// One rank of `symmetric_memory_across_two_processes`.
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn child_symmetric_memory_rank() {
+    let Some(comm) = symm_child(2) else { return };
+    symm_rank_checks(&comm);
+    let stream = comm.context().new_stream().unwrap();
+    let len = if comm.rank() == 0 { 1 << 20 } else { 1 << 22 };
+    let e = mempool_nccl::symm::symm_empty::<f32>(&comm, len, &stream).unwrap_err().to_string();
+    assert!(e.contains("same size"), "rank {}: {e}", comm.rank());
+    // Still usable after the failed one: the next rendezvous has a name of its own.
+    let again = mempool_nccl::symm::symm_empty::<f32>(&comm, 4096, &stream).unwrap();
+    again.barrier(0, &stream).unwrap();
+    stream.synchronize().unwrap();
+    drop(again);
+    comm.destroy().unwrap();
+}
+
+/// A rank that leaves before the rendezvous: the other times out naming it, and gets back its
+/// device memory and file descriptors.
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn symmetric_rendezvous_names_a_rank_that_left() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: two processes need two");
+        return;
+    }
+    symm_processes("child_symmetric_rank_that_leaves", 2);
+}
+
+/// One rank of `symmetric_rendezvous_names_a_rank_that_left`: rank 1 exits at once.
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn child_symmetric_rank_that_leaves() {
+    let Some(comm) = symm_child(2) else { return };
+    if comm.rank() == 1 {
+        std::process::exit(0);
+    }
+    let stream = comm.context().new_stream().unwrap();
+    stream.synchronize().unwrap();
+    comm.context().bind_to_thread().unwrap();
+    let fds = || std::fs::read_dir("/proc/self/fd").unwrap().count();
+    let (free_before, _) = cudarc::driver::result::mem_get_info().unwrap();
+    let fds_before = fds();
+    let opts = mempool_nccl::symm::SymmOptions::new().timeout(Duration::from_secs(3));
+    let t = Instant::now();
+    let e = mempool_nccl::symm::symm_empty_with::<f32>(&comm, 1 << 20, &stream, &opts).unwrap_err().to_string();
+    assert!(e.contains("rank 1 never opened its rendezvous socket"), "{e}");
+    assert!(t.elapsed() >= Duration::from_secs(3) && t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    let (free_after, _) = cudarc::driver::result::mem_get_info().unwrap();
+    assert_eq!(free_after, free_before, "device memory is back");
+    assert_eq!(fds(), fds_before, "no descriptor is left open");
+    comm.abort().unwrap();
 }

@@ -1224,12 +1224,28 @@ impl<T> DevicePtrMut<T> for Imported<T> {
 /// its file descriptors over a Unix stream socket (`SCM_RIGHTS`), as one message [`receive`]
 /// reads.
 pub fn send<T: crate::AnyBitPattern>(sock: &std::os::unix::net::UnixStream, exported: &Exported<T>) -> Result<()> {
-    use std::os::fd::AsRawFd;
     let bytes = exported.handle()?.to_bytes();
-    let mut msg = (bytes.len() as u32).to_le_bytes().to_vec();
-    msg.extend_from_slice(&bytes);
-    let fds: Vec<std::ffi::c_int> = exported.fds().iter().map(|f| f.as_raw_fd()).collect();
-    send_with_fds(sock, &msg, &fds).map_err(|e| Error::caused_by("sending an IPC handle", e))
+    send_message(sock, &bytes, &exported.fds()).map_err(|e| Error::caused_by("sending an IPC handle", e))
+}
+
+/// Writes one message to a Unix stream socket: its length (4 bytes, little-endian), then
+/// `data`, with `fds` attached to the first bytes (`SCM_RIGHTS`: the receiver gets its own
+/// descriptors of the same files). [`receive_message`] reads it. This is the framing of
+/// [`send`]; other rendezvous (symmetric memory across processes) use it too.
+pub fn send_message(
+    sock: &std::os::unix::net::UnixStream,
+    data: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if fds.len() > MAX_FDS {
+        return Err(std::io::Error::other(format!("{} file descriptors (at most {MAX_FDS})", fds.len())));
+    }
+    let len = u32::try_from(data.len()).map_err(|_| std::io::Error::other("a message over 4 GiB"))?;
+    let mut msg = len.to_le_bytes().to_vec();
+    msg.extend_from_slice(data);
+    let fds: Vec<std::ffi::c_int> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    send_with_fds(sock, &msg, &fds)
 }
 
 /// Writes `data` with `fds` attached to its first byte.
@@ -1292,10 +1308,26 @@ fn send_with_fds(sock: &std::os::unix::net::UnixStream, data: &[u8], fds: &[std:
 /// message that is not a handle, descriptors cut short (more than [`MAX_FDS`]), descriptors
 /// that do not come with the message's first bytes.
 pub fn receive_handle(sock: &std::os::unix::net::UnixStream) -> Result<(IpcHandle, Vec<std::os::fd::OwnedFd>)> {
+    let op = "receiving an IPC handle";
+    let (buf, fds) = receive_message(sock, FIXED + 8 * MAX_FDS).map_err(|e| match e.kind() {
+        // The framing's own findings are the message; the socket's errors are the cause.
+        std::io::ErrorKind::Other | std::io::ErrorKind::UnexpectedEof => Error::backend(op, e.to_string()),
+        _ => Error::caused_by(op, e),
+    })?;
+    Ok((IpcHandle::from_bytes(&buf)?, fds))
+}
+
+/// Reads one message of [`send_message`] from a Unix stream socket: its data and the
+/// descriptors that came with it (received close-on-exec, owned: closed on any error). Errors
+/// (`std::io::Error`, with the socket's own errors, a read timeout included, as they are): the
+/// peer closed the socket (`UnexpectedEof`), a message longer than `max_len` bytes, more than
+/// [`MAX_FDS`] descriptors (cut short), descriptors that do not come with the first bytes.
+pub fn receive_message(
+    sock: &std::os::unix::net::UnixStream,
+    max_len: usize,
+) -> std::io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
     use std::io::Read;
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-    let op = "receiving an IPC handle";
-    let io = |e: std::io::Error| Error::caused_by(op, e);
     let mut fds = Vec::new();
     let mut len4 = [0u8; 4];
     let mut have = 0;
@@ -1318,7 +1350,7 @@ pub fn receive_handle(sock: &std::os::unix::net::UnixStream) -> Result<(IpcHandl
             if e.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(io(e));
+            return Err(e);
         }
         // Every descriptor received is owned at once (closed on any error below).
         // SAFETY: walks the control messages the kernel wrote into `control` (`msg` says how
@@ -1338,25 +1370,25 @@ pub fn receive_handle(sock: &std::os::unix::net::UnixStream) -> Result<(IpcHandl
             }
         }
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
-            return Err(Error::backend(op, format!("more than {MAX_FDS} file descriptors: cut short")));
+            return Err(std::io::Error::other(format!("more than {MAX_FDS} file descriptors: cut short")));
         }
         if n == 0 {
             let what = if have == 0 { "the peer closed the socket" } else { "the peer closed the socket mid-message" };
-            return Err(Error::backend(op, what));
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what));
         }
         if have > 0 && !fds.is_empty() {
-            return Err(Error::backend(op, "file descriptors came after the message's first bytes"));
+            return Err(std::io::Error::other("file descriptors came after the message's first bytes"));
         }
         have += n as usize;
     }
     let len = u32::from_le_bytes(len4) as usize;
-    if len > FIXED + 8 * MAX_FDS {
-        return Err(Error::backend(op, format!("a message of {len} bytes is not a handle")));
+    if len > max_len {
+        return Err(std::io::Error::other(format!("a message of {len} bytes (at most {max_len} expected)")));
     }
     let mut buf = vec![0u8; len];
     // `read_exact` retries on EINTR; descriptors never come after the first bytes (`send`).
-    (&mut &*sock).read_exact(&mut buf).map_err(io)?;
-    Ok((IpcHandle::from_bytes(&buf)?, fds))
+    (&mut &*sock).read_exact(&mut buf)?;
+    Ok((buf, fds))
 }
 
 /// [`receive_handle`] and [`import_with_fds`]: the buffer another process [`send`]s, opened on
