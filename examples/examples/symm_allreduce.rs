@@ -22,8 +22,10 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 const SIZES: [usize; 5] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
 
 /// One rank: for every size, NCCL then symmetric memory, each timed over `iters` calls after a
-/// checked warm-up; returns (bytes, nccl seconds per call, symmetric seconds per call).
-fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usize, f64, f64)>> {
+/// checked warm-up; returns (bytes, nccl seconds per call, symmetric seconds per call, and the
+/// host's seconds per call to queue each: time per call near the queueing time means the host
+/// is the bound, not the GPUs).
+fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usize, f64, f64, f64, f64)>> {
     let (r, world) = (comm.rank(), comm.world_size());
     let stream = comm.context().new_stream()?;
     // Buffers made on the stream the collectives run on (one made on another stream would be
@@ -50,6 +52,7 @@ fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usi
         for _ in 0..iters {
             comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &stream)?;
         }
+        let nccl_host = t.elapsed().as_secs_f64() / iters as f64;
         stream.synchronize()?;
         let nccl = t.elapsed().as_secs_f64() / iters as f64;
         // Symmetric memory, one-shot, into a buffer of this rank.
@@ -66,9 +69,10 @@ fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usi
         for _ in 0..iters {
             symm.one_shot_all_reduce(&mut out, &stream)?;
         }
+        let symm_host = t.elapsed().as_secs_f64() / iters as f64;
         stream.synchronize()?;
         let one_shot = t.elapsed().as_secs_f64() / iters as f64;
-        rows.push((bytes, nccl, one_shot));
+        rows.push((bytes, nccl, one_shot, nccl_host, symm_host));
         barrier.wait();
     }
     Ok(rows)
@@ -103,20 +107,23 @@ fn main() -> Res<()> {
     let factor = 2.0 * (gpus as f64 - 1.0) / gpus as f64;
     println!("# {gpus} GPUs, float32 sum, {iters} calls per size; the slowest rank's time per call");
     println!(
-        "{:>10} {:>12} {:>12} {:>12} {:>12} {:>8}",
-        "bytes", "nccl_us", "nccl_busbw", "symm_us", "symm_busbw", "ratio"
+        "{:>10} {:>12} {:>12} {:>12} {:>12} {:>8} {:>14} {:>14}",
+        "bytes", "nccl_us", "nccl_busbw", "symm_us", "symm_busbw", "ratio", "nccl_host_us", "symm_host_us"
     );
     for (i, &bytes) in SIZES.iter().enumerate() {
-        let nccl = results.iter().map(|r| r[i].1).fold(0.0, f64::max);
-        let symm = results.iter().map(|r| r[i].2).fold(0.0, f64::max);
+        let slowest = |f: fn(&(usize, f64, f64, f64, f64)) -> f64| results.iter().map(|r| f(&r[i])).fold(0.0, f64::max);
+        let (nccl, symm) = (slowest(|r| r.1), slowest(|r| r.2));
+        let (nccl_host, symm_host) = (slowest(|r| r.3), slowest(|r| r.4));
         let bw = |t: f64| bytes as f64 / t / 1e9 * factor;
         println!(
-            "{bytes:>10} {:>12.2} {:>12.2} {:>12.2} {:>12.2} {:>8.2}",
+            "{bytes:>10} {:>12.2} {:>12.2} {:>12.2} {:>12.2} {:>8.2} {:>14.2} {:>14.2}",
             nccl * 1e6,
             bw(nccl),
             symm * 1e6,
             bw(symm),
-            nccl / symm
+            nccl / symm,
+            nccl_host * 1e6,
+            symm_host * 1e6
         );
     }
     Ok(())

@@ -74,19 +74,26 @@ pub const CHANNELS: usize = 16;
 
 /// Signal words per rank in each pad for the one-shot kernel's own barriers (before and after,
 /// one word per block, at most `ONE_SHOT_BLOCKS` blocks), after the `CHANNELS` words.
-const KERNEL_SLOTS: usize = 64;
+const KERNEL_SLOTS: usize = 128;
 /// The one-shot kernel's most blocks (each block signals and waits for the same block of every
 /// peer: at most `KERNEL_SLOTS / 2`).
 const ONE_SHOT_BLOCKS: usize = KERNEL_SLOTS / 2;
 
 /// `one_shot_sync_f32(const u64* ptrs, const u64* pads, u32 world, u32 rank, u32 base,
 /// float* out, u64 n)`: a barrier inside the kernel (thread `t` of each block `b` sets word
-/// `base + rank*64 + b` of rank `t`'s pad with release semantics and waits, with acquire
-/// semantics, for word `base + t*64 + b` of its own pad, then clears it), then `out[i]` = the sum
-/// over ranks of their data (grid-stride, loads that skip L1: the first `4 * n4` elements four
-/// at a time, 16-byte loads of two ranks in flight, then the rest one at a time; ranks added in
-/// order, so the sums are those of the scalar loop), then the same barrier on words `+ 32`, so
-/// no rank writes its data again before every rank read it.
+/// `base + rank*128 + b` of rank `t`'s pad and waits, with acquire semantics, for word
+/// `base + t*128 + b` of its own pad, then clears it), then `out[i]` = the sum over ranks of
+/// their data (grid-stride, loads that skip L1: the first `4 * n4` elements four at a time,
+/// 16-byte loads of two ranks in flight, then the rest one at a time; ranks added in order, so
+/// the sums are those of the scalar loop), then the same barrier on words `+ 64`, so no rank
+/// writes its data again before every rank read it.
+///
+/// The signals are relaxed stores (system scope), with no fence before them: the first says
+/// "my data is ready", and that data was written by work that completed before this kernel
+/// began (stream order: the copy or kernel that wrote it is done, its writes in this device's
+/// memory, where peers read them); the second says "I have read your data", after a `bar.sync`
+/// that every load of the block precedes with its value in hand. A release fence at system
+/// scope before each signal cost about 3.5 µs per call on 2x H100 (8.0 -> 4.7 µs at 4 KiB).
 const ONE_SHOT_PTX: &str = "
 .version 7.0
 .target sm_70
@@ -120,15 +127,15 @@ const ONE_SHOT_PTX: &str = "
     mul.wide.u32 %rd5, %r4, 8;
     add.u64 %rd6, %rd2, %rd5;
     ld.global.u64 %rd7, [%rd6];
-    mad.lo.u32 %r6, %r2, 64, %r3;
+    mad.lo.u32 %r6, %r2, 128, %r3;
     add.u32 %r7, %r6, %r5;
     mul.wide.u32 %rd8, %r7, 4;
     add.u64 %rd9, %rd7, %rd8;
-    st.release.sys.global.u32 [%rd9], %r8;
+    st.relaxed.sys.global.u32 [%rd9], %r8;
     mul.wide.u32 %rd10, %r2, 8;
     add.u64 %rd11, %rd2, %rd10;
     ld.global.u64 %rd12, [%rd11];
-    mad.lo.u32 %r9, %r4, 64, %r3;
+    mad.lo.u32 %r9, %r4, 128, %r3;
     add.u32 %r10, %r9, %r5;
     mul.wide.u32 %rd13, %r10, 4;
     add.u64 %rd14, %rd12, %rd13;
@@ -223,11 +230,11 @@ STORE:
 CDONE:
     bar.sync 0;
     @%p3 bra B2DONE;
-    add.u32 %r18, %r7, 32;
+    add.u32 %r18, %r7, 64;
     mul.wide.u32 %rd8, %r18, 4;
     add.u64 %rd9, %rd7, %rd8;
-    st.release.sys.global.u32 [%rd9], %r8;
-    add.u32 %r19, %r10, 32;
+    st.relaxed.sys.global.u32 [%rd9], %r8;
+    add.u32 %r19, %r10, 64;
     mul.wide.u32 %rd13, %r19, 4;
     add.u64 %rd14, %rd12, %rd13;
 SPIN2:
@@ -1010,5 +1017,20 @@ impl<T> DevicePtr<T> for PeerSlice<'_, T> {
 impl<T> DevicePtrMut<T> for PeerSlice<'_, T> {
     fn device_ptr_mut<'b>(&'b mut self, stream: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
         (self.ptr, self.order(stream))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernel's pad offsets are the constants the host sizes the pads with.
+    #[test]
+    fn the_kernel_uses_the_pad_layout_of_the_host() {
+        assert!(ONE_SHOT_PTX.contains(&format!("mad.lo.u32 %r6, %r2, {KERNEL_SLOTS}, %r3;")));
+        assert!(ONE_SHOT_PTX.contains(&format!("mad.lo.u32 %r9, %r4, {KERNEL_SLOTS}, %r3;")));
+        assert!(ONE_SHOT_PTX.contains(&format!("add.u32 %r18, %r7, {ONE_SHOT_BLOCKS};")));
+        assert!(ONE_SHOT_PTX.contains(&format!("add.u32 %r19, %r10, {ONE_SHOT_BLOCKS};")));
+        assert!(!ONE_SHOT_PTX.contains("st.release"), "signals are relaxed stores");
     }
 }
