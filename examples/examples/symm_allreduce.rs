@@ -21,11 +21,18 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 const SIZES: [usize; 5] = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20];
 
+/// One size's seconds per call on one rank: NCCL's, the one-shot's, and the host's time to
+/// queue each (time per call near the queueing time means the host is the bound).
+struct Row {
+    nccl: f64,
+    symm: f64,
+    nccl_host: f64,
+    symm_host: f64,
+}
+
 /// One rank: for every size, NCCL then symmetric memory, each timed over `iters` calls after a
-/// checked warm-up; returns (bytes, nccl seconds per call, symmetric seconds per call, and the
-/// host's seconds per call to queue each: time per call near the queueing time means the host
-/// is the bound, not the GPUs).
-fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usize, f64, f64, f64, f64)>> {
+/// checked warm-up; returns a row per size.
+fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<Row>> {
     let (r, world) = (comm.rank(), comm.world_size());
     let stream = comm.context().new_stream()?;
     // Buffers made on the stream the collectives run on (one made on another stream would be
@@ -72,7 +79,7 @@ fn rank(comm: Communicator, iters: usize, barrier: Arc<Barrier>) -> Res<Vec<(usi
         let symm_host = t.elapsed().as_secs_f64() / iters as f64;
         stream.synchronize()?;
         let one_shot = t.elapsed().as_secs_f64() / iters as f64;
-        rows.push((bytes, nccl, one_shot, nccl_host, symm_host));
+        rows.push(Row { nccl, symm: one_shot, nccl_host, symm_host });
         barrier.wait();
     }
     Ok(rows)
@@ -111,9 +118,9 @@ fn main() -> Res<()> {
         "bytes", "nccl_us", "nccl_busbw", "symm_us", "symm_busbw", "ratio", "nccl_host_us", "symm_host_us"
     );
     for (i, &bytes) in SIZES.iter().enumerate() {
-        let slowest = |f: fn(&(usize, f64, f64, f64, f64)) -> f64| results.iter().map(|r| f(&r[i])).fold(0.0, f64::max);
-        let (nccl, symm) = (slowest(|r| r.1), slowest(|r| r.2));
-        let (nccl_host, symm_host) = (slowest(|r| r.3), slowest(|r| r.4));
+        let slowest = |f: fn(&Row) -> f64| results.iter().map(|r| f(&r[i])).fold(0.0, f64::max);
+        let (nccl, symm) = (slowest(|r| r.nccl), slowest(|r| r.symm));
+        let (nccl_host, symm_host) = (slowest(|r| r.nccl_host), slowest(|r| r.symm_host));
         let bw = |t: f64| bytes as f64 / t / 1e9 * factor;
         println!(
             "{bytes:>10} {:>12.2} {:>12.2} {:>12.2} {:>12.2} {:>8.2} {:>14.2} {:>14.2}",
