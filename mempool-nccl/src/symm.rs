@@ -72,21 +72,33 @@ use crate::error::{Error, Result};
 /// Signal words per peer in each pad (the channels of `put_signal` / `wait_signal`).
 pub const CHANNELS: usize = 16;
 
-/// Signal words per rank in each pad for the one-shot kernel's own barriers (before and after,
-/// one word per block, at most `ONE_SHOT_BLOCKS` blocks), after the `CHANNELS` words.
-const KERNEL_SLOTS: usize = 128;
-/// The one-shot kernel's most blocks (each block signals and waits for the same block of every
-/// peer: at most `KERNEL_SLOTS / 2`).
-const ONE_SHOT_BLOCKS: usize = KERNEL_SLOTS / 2;
+/// Signal words per rank in each pad for the kernels' own barriers (three sets of one word per
+/// block: the one-shot uses the first two, the two-shot all three), after the `CHANNELS` words.
+const KERNEL_SLOTS: usize = 3 * KERNEL_BLOCKS;
+/// The kernels' most blocks (each block signals and waits for the same block of every peer).
+const KERNEL_BLOCKS: usize = 64;
 
 /// `one_shot_sync_f32(const u64* ptrs, const u64* pads, u32 world, u32 rank, u32 base,
 /// float* out, u64 n)`: a barrier inside the kernel (thread `t` of each block `b` sets word
-/// `base + rank*128 + b` of rank `t`'s pad and waits, with acquire semantics, for word
-/// `base + t*128 + b` of its own pad, then clears it), then `out[i]` = the sum over ranks of
+/// `base + rank*192 + b` of rank `t`'s pad and waits, with acquire semantics, for word
+/// `base + t*192 + b` of its own pad, then clears it), then `out[i]` = the sum over ranks of
 /// their data (grid-stride, loads that skip L1: the first `4 * n4` elements four at a time,
 /// 16-byte loads of two ranks in flight, then the rest one at a time; ranks added in order, so
 /// the sums are those of the scalar loop), then the same barrier on words `+ 64`, so no rank
 /// writes its data again before every rank read it.
+///
+/// `two_shot_sync_f32(const u64* ptrs, const u64* pads, u32 world, u32 rank, u32 base, u64 v,
+/// u64 cv, u64 tail)`, in place over `4v + tail` floats per rank: the barrier on words `+ 0`;
+/// rank `r` sums (ranks in order) the 16-byte vectors `[r*cv, min((r+1)*cv, v))` of every
+/// rank's data into its own data, and the last rank the `tail` floats after `4v` one at a
+/// time; a barrier on words `+ 64` whose signal is a release store (the sums written by this
+/// kernel become visible to the peers that acquire it); each rank copies every other rank's
+/// chunk (and the last rank's tail) into its own data; the barrier on words `+ 128`.
+///
+/// `barrier_sync(const u64* pads, u32 world, u32 rank, u32 channel)`, one block: thread `t`
+/// sets word `rank*16 + channel` (a channel of `put_signal`) of rank `t`'s pad and waits for
+/// word `t*16 + channel` of its own, then clears it: the protocol of `put_signal` and
+/// `wait_signal`, in one launch.
 ///
 /// The signals are relaxed stores (system scope), with no fence before them: the first says
 /// "my data is ready", and that data was written by work that completed before this kernel
@@ -94,7 +106,7 @@ const ONE_SHOT_BLOCKS: usize = KERNEL_SLOTS / 2;
 /// memory, where peers read them); the second says "I have read your data", after a `bar.sync`
 /// that every load of the block precedes with its value in hand. A release fence at system
 /// scope before each signal cost about 3.5 µs per call on 2x H100 (8.0 -> 4.7 µs at 4 KiB).
-const ONE_SHOT_PTX: &str = "
+const KERNELS_PTX: &str = "
 .version 7.0
 .target sm_70
 .address_size 64
@@ -127,7 +139,7 @@ const ONE_SHOT_PTX: &str = "
     mul.wide.u32 %rd5, %r4, 8;
     add.u64 %rd6, %rd2, %rd5;
     ld.global.u64 %rd7, [%rd6];
-    mad.lo.u32 %r6, %r2, 128, %r3;
+    mad.lo.u32 %r6, %r2, 192, %r3;
     add.u32 %r7, %r6, %r5;
     mul.wide.u32 %rd8, %r7, 4;
     add.u64 %rd9, %rd7, %rd8;
@@ -135,7 +147,7 @@ const ONE_SHOT_PTX: &str = "
     mul.wide.u32 %rd10, %r2, 8;
     add.u64 %rd11, %rd2, %rd10;
     ld.global.u64 %rd12, [%rd11];
-    mad.lo.u32 %r9, %r4, 128, %r3;
+    mad.lo.u32 %r9, %r4, 192, %r3;
     add.u32 %r10, %r9, %r5;
     mul.wide.u32 %rd13, %r10, 4;
     add.u64 %rd14, %rd12, %rd13;
@@ -245,12 +257,244 @@ SPIN2:
 B2DONE:
     ret;
 }
+
+.visible .entry two_shot_sync_f32(.param .u64 p_ptrs, .param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank,
+    .param .u32 p_base, .param .u64 p_v, .param .u64 p_cv, .param .u64 p_tail)
+{
+    .reg .pred %p<8>;
+    .reg .b32 %r<24>;
+    .reg .b64 %rd<40>;
+    .reg .f32 %f<12>;
+    ld.param.u64 %rd1, [p_ptrs];
+    ld.param.u64 %rd2, [p_pads];
+    ld.param.u32 %r1, [p_world];
+    ld.param.u32 %r2, [p_rank];
+    ld.param.u32 %r3, [p_base];
+    ld.param.u64 %rd3, [p_v];
+    ld.param.u64 %rd4, [p_cv];
+    ld.param.u64 %rd5, [p_tail];
+    cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd2, %rd2;
+    mov.u32 %r4, %tid.x;
+    mov.u32 %r5, %ctaid.x;
+    mov.u32 %r8, 1;
+    mov.u32 %r12, 0;
+    setp.ge.u32 %p1, %r4, %r1;
+    setp.eq.u32 %p2, %r4, %r2;
+    or.pred %p3, %p1, %p2;
+    @%p3 bra TA_DONE;
+    mul.wide.u32 %rd6, %r4, 8;
+    add.u64 %rd6, %rd2, %rd6;
+    ld.global.u64 %rd7, [%rd6];
+    mad.lo.u32 %r6, %r2, 192, %r3;
+    add.u32 %r7, %r6, %r5;
+    mul.wide.u32 %rd8, %r7, 4;
+    add.u64 %rd9, %rd7, %rd8;
+    mul.wide.u32 %rd10, %r2, 8;
+    add.u64 %rd10, %rd2, %rd10;
+    ld.global.u64 %rd12, [%rd10];
+    mad.lo.u32 %r9, %r4, 192, %r3;
+    add.u32 %r10, %r9, %r5;
+    mul.wide.u32 %rd13, %r10, 4;
+    add.u64 %rd14, %rd12, %rd13;
+    st.relaxed.sys.global.u32 [%rd9], %r8;
+TA_SPIN:
+    ld.acquire.sys.global.u32 %r11, [%rd14];
+    setp.eq.u32 %p4, %r11, 0;
+    @%p4 bra TA_SPIN;
+    st.relaxed.sys.global.u32 [%rd14], %r12;
+TA_DONE:
+    bar.sync 0;
+    mov.u32 %r13, %ntid.x;
+    mad.lo.u32 %r14, %r5, %r13, %r4;
+    mov.u32 %r15, %nctaid.x;
+    mul.lo.u32 %r16, %r15, %r13;
+    cvt.u64.u32 %rd15, %r14;
+    cvt.u64.u32 %rd16, %r16;
+    cvt.u64.u32 %rd17, %r2;
+    mul.lo.u64 %rd18, %rd17, %rd4;
+    add.u64 %rd19, %rd18, %rd4;
+    min.u64 %rd19, %rd19, %rd3;
+    mul.wide.u32 %rd20, %r2, 8;
+    add.u64 %rd20, %rd1, %rd20;
+    ld.global.u64 %rd21, [%rd20];
+    add.u64 %rd22, %rd18, %rd15;
+P1:
+    setp.ge.u64 %p5, %rd22, %rd19;
+    @%p5 bra P1_DONE;
+    shl.b64 %rd23, %rd22, 4;
+    mov.f32 %f1, 0f00000000;
+    mov.f32 %f2, 0f00000000;
+    mov.f32 %f3, 0f00000000;
+    mov.f32 %f4, 0f00000000;
+    mov.u32 %r17, 0;
+P1_RANK:
+    setp.ge.u32 %p6, %r17, %r1;
+    @%p6 bra P1_STORE;
+    mul.wide.u32 %rd24, %r17, 8;
+    add.u64 %rd24, %rd1, %rd24;
+    ld.global.u64 %rd25, [%rd24];
+    add.u64 %rd25, %rd25, %rd23;
+    ld.global.cg.v4.f32 {%f5, %f6, %f7, %f8}, [%rd25];
+    add.f32 %f1, %f1, %f5;
+    add.f32 %f2, %f2, %f6;
+    add.f32 %f3, %f3, %f7;
+    add.f32 %f4, %f4, %f8;
+    add.u32 %r17, %r17, 1;
+    bra P1_RANK;
+P1_STORE:
+    add.u64 %rd26, %rd21, %rd23;
+    st.global.v4.f32 [%rd26], {%f1, %f2, %f3, %f4};
+    add.u64 %rd22, %rd22, %rd16;
+    bra P1;
+P1_DONE:
+    add.u32 %r18, %r2, 1;
+    setp.ne.u32 %p5, %r18, %r1;
+    setp.ge.u64 %p6, %rd15, %rd5;
+    or.pred %p5, %p5, %p6;
+    @%p5 bra P1_TAIL_DONE;
+    shl.b64 %rd27, %rd3, 2;
+    add.u64 %rd27, %rd27, %rd15;
+    shl.b64 %rd27, %rd27, 2;
+    mov.f32 %f1, 0f00000000;
+    mov.u32 %r17, 0;
+P1_TAIL_RANK:
+    setp.ge.u32 %p6, %r17, %r1;
+    @%p6 bra P1_TAIL_STORE;
+    mul.wide.u32 %rd24, %r17, 8;
+    add.u64 %rd24, %rd1, %rd24;
+    ld.global.u64 %rd25, [%rd24];
+    add.u64 %rd25, %rd25, %rd27;
+    ld.global.cg.f32 %f5, [%rd25];
+    add.f32 %f1, %f1, %f5;
+    add.u32 %r17, %r17, 1;
+    bra P1_TAIL_RANK;
+P1_TAIL_STORE:
+    add.u64 %rd26, %rd21, %rd27;
+    st.global.f32 [%rd26], %f1;
+P1_TAIL_DONE:
+    bar.sync 0;
+    @%p3 bra TB_DONE;
+    add.u32 %r19, %r7, 64;
+    mul.wide.u32 %rd8, %r19, 4;
+    add.u64 %rd28, %rd7, %rd8;
+    st.release.sys.global.u32 [%rd28], %r8;
+    add.u32 %r20, %r10, 64;
+    mul.wide.u32 %rd13, %r20, 4;
+    add.u64 %rd29, %rd12, %rd13;
+TB_SPIN:
+    ld.acquire.sys.global.u32 %r11, [%rd29];
+    setp.eq.u32 %p4, %r11, 0;
+    @%p4 bra TB_SPIN;
+    st.relaxed.sys.global.u32 [%rd29], %r12;
+TB_DONE:
+    bar.sync 0;
+    mov.u32 %r17, 0;
+P2_Q:
+    setp.ge.u32 %p6, %r17, %r1;
+    @%p6 bra P2_DONE;
+    setp.eq.u32 %p7, %r17, %r2;
+    @%p7 bra P2_NEXT;
+    cvt.u64.u32 %rd30, %r17;
+    mul.lo.u64 %rd31, %rd30, %rd4;
+    add.u64 %rd32, %rd31, %rd4;
+    min.u64 %rd32, %rd32, %rd3;
+    mul.wide.u32 %rd24, %r17, 8;
+    add.u64 %rd24, %rd1, %rd24;
+    ld.global.u64 %rd33, [%rd24];
+    add.u64 %rd22, %rd31, %rd15;
+P2_V:
+    setp.ge.u64 %p5, %rd22, %rd32;
+    @%p5 bra P2_TAIL;
+    shl.b64 %rd23, %rd22, 4;
+    add.u64 %rd25, %rd33, %rd23;
+    ld.global.cg.v4.f32 {%f5, %f6, %f7, %f8}, [%rd25];
+    add.u64 %rd26, %rd21, %rd23;
+    st.global.v4.f32 [%rd26], {%f5, %f6, %f7, %f8};
+    add.u64 %rd22, %rd22, %rd16;
+    bra P2_V;
+P2_TAIL:
+    add.u32 %r18, %r17, 1;
+    setp.ne.u32 %p5, %r18, %r1;
+    setp.ge.u64 %p4, %rd15, %rd5;
+    or.pred %p5, %p5, %p4;
+    @%p5 bra P2_NEXT;
+    shl.b64 %rd27, %rd3, 2;
+    add.u64 %rd27, %rd27, %rd15;
+    shl.b64 %rd27, %rd27, 2;
+    add.u64 %rd25, %rd33, %rd27;
+    ld.global.cg.f32 %f5, [%rd25];
+    add.u64 %rd26, %rd21, %rd27;
+    st.global.f32 [%rd26], %f5;
+P2_NEXT:
+    add.u32 %r17, %r17, 1;
+    bra P2_Q;
+P2_DONE:
+    bar.sync 0;
+    @%p3 bra TC_DONE;
+    add.u32 %r19, %r7, 128;
+    mul.wide.u32 %rd8, %r19, 4;
+    add.u64 %rd28, %rd7, %rd8;
+    st.relaxed.sys.global.u32 [%rd28], %r8;
+    add.u32 %r20, %r10, 128;
+    mul.wide.u32 %rd13, %r20, 4;
+    add.u64 %rd29, %rd12, %rd13;
+TC_SPIN:
+    ld.acquire.sys.global.u32 %r11, [%rd29];
+    setp.eq.u32 %p4, %r11, 0;
+    @%p4 bra TC_SPIN;
+    st.relaxed.sys.global.u32 [%rd29], %r12;
+TC_DONE:
+    ret;
+}
+
+.visible .entry barrier_sync(.param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank, .param .u32 p_channel)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<12>;
+    .reg .b64 %rd<10>;
+    ld.param.u64 %rd1, [p_pads];
+    ld.param.u32 %r1, [p_world];
+    ld.param.u32 %r2, [p_rank];
+    ld.param.u32 %r3, [p_channel];
+    cvta.to.global.u64 %rd1, %rd1;
+    mov.u32 %r4, %tid.x;
+    setp.ge.u32 %p1, %r4, %r1;
+    setp.eq.u32 %p2, %r4, %r2;
+    or.pred %p3, %p1, %p2;
+    @%p3 bra BAR_DONE;
+    mov.u32 %r8, 1;
+    mov.u32 %r9, 0;
+    mul.wide.u32 %rd2, %r4, 8;
+    add.u64 %rd2, %rd1, %rd2;
+    ld.global.u64 %rd3, [%rd2];
+    mad.lo.u32 %r5, %r2, 16, %r3;
+    mul.wide.u32 %rd4, %r5, 4;
+    add.u64 %rd4, %rd3, %rd4;
+    st.relaxed.sys.global.u32 [%rd4], %r8;
+    mul.wide.u32 %rd5, %r2, 8;
+    add.u64 %rd5, %rd1, %rd5;
+    ld.global.u64 %rd6, [%rd5];
+    mad.lo.u32 %r6, %r4, 16, %r3;
+    mul.wide.u32 %rd7, %r6, 4;
+    add.u64 %rd7, %rd6, %rd7;
+BAR_SPIN:
+    ld.acquire.sys.global.u32 %r7, [%rd7];
+    setp.eq.u32 %p1, %r7, 0;
+    @%p1 bra BAR_SPIN;
+    st.relaxed.sys.global.u32 [%rd7], %r9;
+BAR_DONE:
+    ret;
+}
 \0";
 
-/// The one-shot kernel and the device array of every rank's data address, made at first use.
-struct OneShot {
+/// The kernels (one-shot, two-shot) and the device arrays of every rank's data and pad
+/// addresses, made at first use.
+struct Kernels {
     module: usize,
-    func: usize,
+    one_shot: usize,
+    two_shot: usize,
+    barrier: usize,
     ptrs: mempool::Buffer<u64>,
     pads: mempool::Buffer<u64>,
 }
@@ -274,7 +518,7 @@ pub struct SymmMemory<T> {
     bytes: usize,
     /// Where each rank's allocation is mapped in this process, for this rank's device.
     bases: Vec<u64>,
-    one_shot: std::sync::OnceLock<OneShot>,
+    kernels: std::sync::OnceLock<Kernels>,
     _elem: PhantomData<T>,
 }
 
@@ -431,7 +675,7 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
         data_bytes,
         bytes,
         bases,
-        one_shot: std::sync::OnceLock::new(),
+        kernels: std::sync::OnceLock::new(),
         _elem: PhantomData,
     })
 }
@@ -827,15 +1071,103 @@ impl<T> SymmMemory<T> {
         cuda("cuStreamWriteValue32", unsafe { sys::cuStreamWriteValue32_v2(stream.cu_stream(), w, 0, 0) })
     }
 
-    /// Queues on `stream`: signal every other rank on `channel`, then wait for every other rank.
-    pub fn barrier(&self, channel: usize, stream: &CudaStream) -> Result<()> {
-        for r in (0..self.world).filter(|&r| r != self.rank) {
-            self.put_signal(r, channel, stream)?;
+    /// Queues on `stream`: signal every other rank on `channel`, then wait for every other rank
+    /// (collective). One kernel launch (the protocol of [`put_signal`](Self::put_signal) and
+    /// [`wait_signal`](Self::wait_signal), signals written by one thread per peer): after it,
+    /// every rank's work queued before its barrier is done, its writes visible to every rank.
+    pub fn barrier(&self, channel: usize, stream: &Arc<CudaStream>) -> Result<()> {
+        self.check(self.rank, channel, stream)?;
+        if self.world > 1024 {
+            return Err(Error::Symmetric("the barrier kernel serves at most 1,024 ranks".into()));
         }
-        for r in (0..self.world).filter(|&r| r != self.rank) {
-            self.wait_signal(r, channel, stream)?;
+        let k = self.kernels(stream)?;
+        let (mut p_pads, mut p_world, mut p_rank, mut p_channel) =
+            (k.pads.device_ptr_raw(), self.world as u32, self.rank as u32, channel as u32);
+        let mut params: [*mut std::ffi::c_void; 4] = [
+            (&mut p_pads as *mut u64).cast(),
+            (&mut p_world as *mut u32).cast(),
+            (&mut p_rank as *mut u32).cast(),
+            (&mut p_channel as *mut u32).cast(),
+        ];
+        // SAFETY: barrier_sync takes (const u64* pads, u32 world, u32 rank, u32 channel), the
+        // four parameters above: `pads` holds every rank's pad address (mapped for this device),
+        // each with the words `r*CHANNELS + channel` (`channel < CHANNELS`, checked) it uses;
+        // one block of at least `world` threads.
+        unsafe { self.launch(k.barrier, 1, (self.world as u32).next_multiple_of(32), stream, &mut params) }
+    }
+
+    fn kernels(&self, stream: &Arc<CudaStream>) -> Result<&Kernels> {
+        if let Some(k) = self.kernels.get() {
+            return Ok(k);
         }
-        Ok(())
+        self.ctx.bind_to_thread().map_err(Error::cuda)?;
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        // SAFETY: out-parameter; a NUL-terminated PTX text.
+        cuda("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, KERNELS_PTX.as_ptr().cast()) })?;
+        let unload = |e| {
+            // SAFETY: the module loaded above, unused, unloaded once.
+            let _ = unsafe { sys::cuModuleUnload(module) };
+            e
+        };
+        let func = |name: &std::ffi::CStr| {
+            let mut func: sys::CUfunction = std::ptr::null_mut();
+            // SAFETY: out-parameter, the module just loaded, a NUL-terminated name.
+            cuda("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut func, module, name.as_ptr()) })
+                .map(|()| func as usize)
+        };
+        let one_shot = func(c"one_shot_sync_f32").map_err(unload)?;
+        let two_shot = func(c"two_shot_sync_f32").map_err(unload)?;
+        let barrier = func(c"barrier_sync").map_err(unload)?;
+        let alloc = mempool::Allocator::cuda(self.ctx.ordinal()).map_err(|e| unload(e.into()))?;
+        let mut ptrs = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
+        stream.memcpy_htod(&self.bases, &mut ptrs).map_err(|e| unload(Error::cuda(e)))?;
+        let mut pads = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
+        stream.memcpy_htod(&self.signal_pad_ptrs(), &mut pads).map_err(|e| unload(Error::cuda(e)))?;
+        stream.synchronize().map_err(|e| unload(Error::cuda(e)))?;
+        let made = Kernels { module: module as usize, one_shot, two_shot, barrier, ptrs, pads };
+        if let Err(lost) = self.kernels.set(made) {
+            // Another thread made them meanwhile: these go.
+            // SAFETY: the module this call loaded, never launched from, unloaded once.
+            let _ = unsafe { sys::cuModuleUnload(lost.module as sys::CUmodule) };
+        }
+        Ok(self.kernels.get().expect("set above"))
+    }
+
+    /// Launches `func` on `stream` with `params` (pointers to its parameters, in order).
+    ///
+    /// # Safety
+    /// `func` is one of `self`'s kernels, `params` its parameters (each pointer to a value of
+    /// the parameter's type, alive for the call), whose addresses the kernel may use as it does.
+    unsafe fn launch(
+        &self,
+        func: usize,
+        blocks: u32,
+        threads: u32,
+        stream: &CudaStream,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(Error::cuda)?;
+        // SAFETY: passed on from the caller; a live stream of this context.
+        cuda("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                func as sys::CUfunction,
+                blocks,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                stream.cu_stream(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    /// Threads per block of the kernels: at least one per rank (their barriers).
+    fn threads(&self) -> u32 {
+        512u32.max((self.world as u32).next_multiple_of(32))
     }
 
     /// Rank `rank`'s data as a cudarc slice on `stream` (copies use the copy engines). Ordering
@@ -847,36 +1179,55 @@ impl<T> SymmMemory<T> {
 }
 
 impl SymmMemory<f32> {
-    fn one_shot(&self, stream: &Arc<CudaStream>) -> Result<&OneShot> {
-        if let Some(k) = self.one_shot.get() {
-            return Ok(k);
+    /// A two-shot all-reduce (sum) of every rank's data, in place (collective: every rank calls
+    /// it, each on a stream of its device; afterwards every rank's data holds the sums). One
+    /// kernel launch: a barrier (every rank's data written by its stream's earlier work); each
+    /// rank sums its own chunk of the elements (a `1/world_size` share) over every rank's data
+    /// and writes the sums into its own data; a barrier (with release and acquire semantics:
+    /// those sums are visible to every rank); each rank copies every other rank's chunk of sums
+    /// into its own data; a barrier (no rank writes again before everyone read its chunk). It
+    /// moves `2 (n−1)/n` of the data over the links, as a ring does, where the one-shot moves
+    /// `n−1` times it: the larger sizes' choice. Sums are added in rank order, so every rank
+    /// gets the same bits.
+    pub fn two_shot_all_reduce_in_place(&self, stream: &Arc<CudaStream>) -> Result<()> {
+        self.check(self.rank, 0, stream)?;
+        if self.world > 1024 {
+            return Err(Error::Symmetric("the two-shot kernel serves at most 1,024 ranks".into()));
         }
-        self.ctx.bind_to_thread().map_err(Error::cuda)?;
-        let mut module: sys::CUmodule = std::ptr::null_mut();
-        // SAFETY: out-parameter; a NUL-terminated PTX text.
-        cuda("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, ONE_SHOT_PTX.as_ptr().cast()) })?;
-        let mut func: sys::CUfunction = std::ptr::null_mut();
-        // SAFETY: out-parameter, the module just loaded, a NUL-terminated name it defines.
-        let r = unsafe { sys::cuModuleGetFunction(&mut func, module, c"one_shot_sync_f32".as_ptr()) };
-        let unload = |e| {
-            // SAFETY: the module loaded above, unused, unloaded once.
-            let _ = unsafe { sys::cuModuleUnload(module) };
-            e
-        };
-        cuda("cuModuleGetFunction", r).map_err(unload)?;
-        let alloc = mempool::Allocator::cuda(self.ctx.ordinal()).map_err(|e| unload(e.into()))?;
-        let mut ptrs = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
-        stream.memcpy_htod(&self.bases, &mut ptrs).map_err(|e| unload(Error::cuda(e)))?;
-        let mut pads = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
-        stream.memcpy_htod(&self.signal_pad_ptrs(), &mut pads).map_err(|e| unload(Error::cuda(e)))?;
-        stream.synchronize().map_err(|e| unload(Error::cuda(e)))?;
-        let made = OneShot { module: module as usize, func: func as usize, ptrs, pads };
-        if let Err(lost) = self.one_shot.set(made) {
-            // Another thread made one meanwhile: this one goes.
-            // SAFETY: the module this call loaded, never launched from, unloaded once.
-            let _ = unsafe { sys::cuModuleUnload(lost.module as sys::CUmodule) };
-        }
-        Ok(self.one_shot.get().expect("set above"))
+        let k = self.kernels(stream)?;
+        let v = self.len as u64 / 4;
+        let cv = v.div_ceil(self.world as u64);
+        let threads = self.threads();
+        let blocks = ((cv as usize).div_ceil(threads as usize) as u32).clamp(1, KERNEL_BLOCKS as u32);
+        let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_v, mut p_cv, mut p_tail) = (
+            k.ptrs.device_ptr_raw(),
+            k.pads.device_ptr_raw(),
+            self.world as u32,
+            self.rank as u32,
+            (self.world * CHANNELS) as u32,
+            v,
+            cv,
+            self.len as u64 % 4,
+        );
+        let mut params: [*mut std::ffi::c_void; 8] = [
+            (&mut p_ptrs as *mut u64).cast(),
+            (&mut p_pads as *mut u64).cast(),
+            (&mut p_world as *mut u32).cast(),
+            (&mut p_rank as *mut u32).cast(),
+            (&mut p_base as *mut u32).cast(),
+            (&mut p_v as *mut u64).cast(),
+            (&mut p_cv as *mut u64).cast(),
+            (&mut p_tail as *mut u64).cast(),
+        ];
+        // SAFETY: two_shot_sync_f32 takes (const u64* ptrs, const u64* pads, u32 world, u32 rank,
+        // u32 base, u64 v, u64 cv, u64 tail), the eight parameters above: `ptrs` holds `world`
+        // addresses, each the start of a mapping (16-byte aligned) of `len = 4v + tail` floats
+        // this device may read and write (the peer mappings, alive with `self`; every rank
+        // writes only its own data, and reads another rank's chunk only between the barriers
+        // that order it); `pads` each rank's pad, with the words `base + r*KERNEL_SLOTS + b +
+        // {0, 64, 128}` the kernel uses for `b < blocks <= KERNEL_BLOCKS`; `tail < 4`;
+        // `threads >= world`.
+        unsafe { self.launch(k.two_shot, blocks, threads, stream, &mut params) }
     }
 
     /// A one-shot all-reduce (sum) of every rank's data into `out` on this rank (collective:
@@ -897,64 +1248,46 @@ impl SymmMemory<f32> {
         if self.world > 1024 {
             return Err(Error::Symmetric("the one-shot kernel serves at most 1,024 ranks".into()));
         }
-        let k = self.one_shot(stream)?;
-        {
-            let (out_ptr, _sync) = out.device_ptr_mut(stream);
-            // Written once by a copy that completed (`one_shot` synchronises it): raw addresses,
-            // no ordering with their own stream needed.
-            let (ptrs, pads) = (k.ptrs.device_ptr_raw(), k.pads.device_ptr_raw());
-            // Four elements at a time where every address is 16-byte aligned (the ranks' data
-            // always is: each starts a mapping), the rest one at a time.
-            let n4 = if out_ptr % 16 == 0 { self.len as u64 / 4 } else { 0 };
-            let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n, mut p_n4) = (
-                ptrs,
-                pads,
-                self.world as u32,
-                self.rank as u32,
-                (self.world * CHANNELS) as u32,
-                out_ptr,
-                self.len as u64,
-                n4,
-            );
-            let mut params: [*mut std::ffi::c_void; 8] = [
-                (&mut p_ptrs as *mut u64).cast(),
-                (&mut p_pads as *mut u64).cast(),
-                (&mut p_world as *mut u32).cast(),
-                (&mut p_rank as *mut u32).cast(),
-                (&mut p_base as *mut u32).cast(),
-                (&mut p_out as *mut u64).cast(),
-                (&mut p_n as *mut u64).cast(),
-                (&mut p_n4 as *mut u64).cast(),
-            ];
-            let threads = 512u32.max((self.world as u32).next_multiple_of(32));
-            let work = (n4 as usize).max(self.len - 4 * n4 as usize);
-            let blocks = (work.div_ceil(threads as usize) as u32).clamp(1, ONE_SHOT_BLOCKS as u32);
-            self.ctx.bind_to_thread().map_err(Error::cuda)?;
-            // SAFETY: one_shot_sync_f32 takes (const u64* ptrs, const u64* pads, u32 world,
-            // u32 rank, u32 base, float* out, u64 n, u64 n4), the eight parameters above, which
-            // live until the call returns: `ptrs` holds `world` addresses, each the start of a
-            // mapping (so 16-byte aligned) of `len` floats this device may read (the peer
-            // mappings, alive with `self`), and `pads` each rank's pad, whose words `base` and
-            // on the kernel uses exist (`KERNEL_SLOTS` per rank after the channels); `out` holds
-            // at least `len` floats of this device, 16-byte aligned when `n4 > 0`, and
-            // `4 * n4 <= len`.
-            cuda("cuLaunchKernel", unsafe {
-                sys::cuLaunchKernel(
-                    k.func as sys::CUfunction,
-                    blocks,
-                    1,
-                    1,
-                    threads,
-                    1,
-                    1,
-                    0,
-                    stream.cu_stream(),
-                    params.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            })?;
-        }
-        Ok(())
+        let k = self.kernels(stream)?;
+        let (out_ptr, _sync) = out.device_ptr_mut(stream);
+        // Written once by a copy that completed (`kernels` synchronises it): raw addresses, no
+        // ordering with their own stream needed.
+        let (ptrs, pads) = (k.ptrs.device_ptr_raw(), k.pads.device_ptr_raw());
+        // Four elements at a time where every address is 16-byte aligned (the ranks' data
+        // always is: each starts a mapping), the rest one at a time.
+        let n4 = if out_ptr % 16 == 0 { self.len as u64 / 4 } else { 0 };
+        let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n, mut p_n4) = (
+            ptrs,
+            pads,
+            self.world as u32,
+            self.rank as u32,
+            (self.world * CHANNELS) as u32,
+            out_ptr,
+            self.len as u64,
+            n4,
+        );
+        let mut params: [*mut std::ffi::c_void; 8] = [
+            (&mut p_ptrs as *mut u64).cast(),
+            (&mut p_pads as *mut u64).cast(),
+            (&mut p_world as *mut u32).cast(),
+            (&mut p_rank as *mut u32).cast(),
+            (&mut p_base as *mut u32).cast(),
+            (&mut p_out as *mut u64).cast(),
+            (&mut p_n as *mut u64).cast(),
+            (&mut p_n4 as *mut u64).cast(),
+        ];
+        let threads = self.threads();
+        let work = (n4 as usize).max(self.len - 4 * n4 as usize);
+        let blocks = (work.div_ceil(threads as usize) as u32).clamp(1, KERNEL_BLOCKS as u32);
+        // SAFETY: one_shot_sync_f32 takes (const u64* ptrs, const u64* pads, u32 world, u32 rank,
+        // u32 base, float* out, u64 n, u64 n4), the eight parameters above: `ptrs` holds `world`
+        // addresses, each the start of a mapping (so 16-byte aligned) of `len` floats this
+        // device may read (the peer mappings, alive with `self`), and `pads` each rank's pad,
+        // whose words `base + r*KERNEL_SLOTS + b + {0, 64}` the kernel uses exist for
+        // `b < blocks <= KERNEL_BLOCKS`; `out` holds at least `len` floats of this device
+        // (borrowed until `_sync` goes, after the launch), 16-byte aligned when `n4 > 0`, and
+        // `4 * n4 <= len`; `threads >= world`.
+        unsafe { self.launch(k.one_shot, blocks, threads, stream, &mut params) }
     }
 }
 
@@ -964,8 +1297,8 @@ impl<T> Drop for SymmMemory<T> {
         // so the memory, stay as long as they do).
         if self.ctx.bind_to_thread().is_ok() && self.ctx.synchronize().is_ok() {
             unmap_all(&self.bases, self.bytes);
-            if let Some(k) = self.one_shot.take() {
-                // SAFETY: the module `one_shot` loaded, its launches done (synchronised above).
+            if let Some(k) = self.kernels.take() {
+                // SAFETY: the module `kernels` loaded, its launches done (synchronised above).
                 let _ = unsafe { sys::cuModuleUnload(k.module as sys::CUmodule) };
             }
         }
@@ -1027,10 +1360,17 @@ mod tests {
     /// The kernel's pad offsets are the constants the host sizes the pads with.
     #[test]
     fn the_kernel_uses_the_pad_layout_of_the_host() {
-        assert!(ONE_SHOT_PTX.contains(&format!("mad.lo.u32 %r6, %r2, {KERNEL_SLOTS}, %r3;")));
-        assert!(ONE_SHOT_PTX.contains(&format!("mad.lo.u32 %r9, %r4, {KERNEL_SLOTS}, %r3;")));
-        assert!(ONE_SHOT_PTX.contains(&format!("add.u32 %r18, %r7, {ONE_SHOT_BLOCKS};")));
-        assert!(ONE_SHOT_PTX.contains(&format!("add.u32 %r19, %r10, {ONE_SHOT_BLOCKS};")));
-        assert!(!ONE_SHOT_PTX.contains("st.release"), "signals are relaxed stores");
+        assert!(KERNELS_PTX.contains(&format!("mad.lo.u32 %r6, %r2, {KERNEL_SLOTS}, %r3;")));
+        assert!(KERNELS_PTX.contains(&format!("mad.lo.u32 %r9, %r4, {KERNEL_SLOTS}, %r3;")));
+        assert!(KERNELS_PTX.contains(&format!("add.u32 %r18, %r7, {KERNEL_BLOCKS};")));
+        assert!(KERNELS_PTX.contains(&format!("add.u32 %r19, %r10, {KERNEL_BLOCKS};")));
+        assert!(KERNELS_PTX.contains(&format!("mad.lo.u32 %r5, %r2, {CHANNELS}, %r3;")));
+        assert!(KERNELS_PTX.contains(&format!("mad.lo.u32 %r6, %r4, {CHANNELS}, %r3;")));
+        assert_eq!(KERNELS_PTX.matches(&format!(", {KERNEL_SLOTS}, %r3;")).count(), 4, "both kernels' pads");
+        assert_eq!(KERNELS_PTX.matches(&format!(", {}, %r3;", 3 * KERNEL_BLOCKS)).count(), 4);
+        assert!(KERNELS_PTX.contains(&format!("add.u32 %r19, %r7, {KERNEL_BLOCKS};")));
+        assert!(KERNELS_PTX.contains(&format!("add.u32 %r19, %r7, {};", 2 * KERNEL_BLOCKS)));
+        // Signals are relaxed stores but the two-shot's middle one, which publishes its sums.
+        assert_eq!(KERNELS_PTX.matches("st.release").count(), 1, "one release signal");
     }
 }
