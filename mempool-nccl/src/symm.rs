@@ -886,7 +886,14 @@ fn rendezvous_across_processes(
     let mut heard = 0;
     while heard < world - 1 {
         let conn = match listener.accept() {
-            Ok((c, _)) => c,
+            // Only this user's processes: any local process can reach an abstract socket, and
+            // one of another user's is not a rank (it is hung up on, and the wait goes on).
+            Ok((c, _))
+                if mempool::ipc::peer_credentials(&c).is_ok_and(|(_, uid)| uid == mempool::ipc::effective_uid()) =>
+            {
+                c
+            }
+            Ok(_) => continue,
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
                 let silent: Vec<usize> = (0..world).filter(|&q| q != rank && peers[q].is_none()).collect();
                 left(&format!("heard nothing from rank(s) {silent:?}"))?;
@@ -906,6 +913,11 @@ fn rendezvous_across_processes(
         let q = w[0] as usize;
         if q >= world || q == rank || peers[q].is_some() {
             return Err(fail(format!("a first message from rank {q}, which is not a peer still to hear from")));
+        }
+        // The process that connected is the one the message names.
+        match mempool::ipc::peer_credentials(&conn) {
+            Ok((p, _)) if u64::from(p) == w[1] => {}
+            _ => return Err(fail(format!("rank {q}'s first message names a process other than the one that sent it"))),
         }
         peers[q] =
             Some(Peer { pid: w[1], bytes: w[2], made: w[4] != 0, handle: w[5], fd: fds.into_iter().next(), conn });

@@ -1248,6 +1248,37 @@ pub fn send_message(
     send_with_fds(sock, &msg, &fds)
 }
 
+/// The process at the other end of a Unix socket, as the kernel recorded it when the
+/// connection was made (`SO_PEERCRED`): its process id and effective user id. A rendezvous on a
+/// socket any local process can reach (an abstract name) uses it to hear only its own user's
+/// processes, and to check that a peer is the process it says it is.
+pub fn peer_credentials(sock: &std::os::unix::net::UnixStream) -> std::io::Result<(u32, u32)> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain C struct of integers; all zeros is valid.
+    let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are live out-parameters of the sizes stated, for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok((cred.pid as u32, cred.uid))
+}
+
+/// This process's effective user id (to compare with [`peer_credentials`]).
+pub fn effective_uid() -> u32 {
+    // SAFETY: `geteuid` has no preconditions and cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 /// Writes `data` with `fds` attached to its first byte.
 fn send_with_fds(sock: &std::os::unix::net::UnixStream, data: &[u8], fds: &[std::ffi::c_int]) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
