@@ -41,6 +41,8 @@ impl From<SimStream> for StreamId {
 #[derive(Debug)]
 pub struct SimDevice {
     device: usize,
+    /// Its memory counts as pinned host memory ([`SimDevice::pinned`]).
+    host_visible: bool,
     state: Mutex<SimState>,
 }
 
@@ -91,10 +93,24 @@ impl SimDevice {
         Self::with_index(0, capacity)
     }
 
+    /// A device with `capacity` bytes whose memory counts as pinned host memory
+    /// ([`Backend::host_visible`]): its allocators behave as
+    /// [`Allocator::pinned`](crate::Allocator::pinned) ones do (a block the device used waits for
+    /// the work of its own stream at its free; the `pinned_*` settings apply), so their rules can
+    /// be tested without a GPU. It still holds no memory: simulated buffers have no host view.
+    pub fn pinned(capacity: usize) -> Arc<SimDevice> {
+        Self::make(0, capacity, true)
+    }
+
     /// A device with `capacity` bytes and the given index (for multi-device tests).
     pub fn with_index(device: usize, capacity: usize) -> Arc<SimDevice> {
+        Self::make(device, capacity, false)
+    }
+
+    fn make(device: usize, capacity: usize, host_visible: bool) -> Arc<SimDevice> {
         Arc::new(SimDevice {
             device,
+            host_visible,
             state: Mutex::new(SimState {
                 capacity,
                 next_addr: Self::BASE,
@@ -286,6 +302,10 @@ unsafe impl Backend for SimDevice {
 
     fn device(&self) -> usize {
         self.device
+    }
+
+    fn host_visible(&self) -> bool {
+        self.host_visible
     }
 
     fn memory_info(&self) -> Option<(usize, usize)> {
