@@ -11,8 +11,16 @@
 //! | `pinned_use_cuda_host_register` | `True` or `False` (default) | pinned allocators (`Allocator::pinned`) take page-aligned host memory and register it (`cuMemHostRegister`) instead of `cuMemHostAlloc`, faulting its pages in first on `pinned_num_register_threads` threads |
 //! | `pinned_num_register_threads` | a power of two from 1 (default) to 128 | the threads that fault a new pinned segment's pages in |
 //! | `pinned_round_power2` | `True` or `False` (default) | pinned allocators round every size up to a power of two, as PyTorch's host allocator always does (fewer distinct sizes to cache; up to twice the bytes for a size just above a power of two) |
+//! | `pinned_reserve_segment_size_mb` | integer MiB: 0 (default: off), or 1 to 1048575 and below `max_split_size_mb` | pinned allocators allocate one segment of this size when they are made and keep it until they are dropped (`empty_cache`, garbage collection and the out-of-memory ladder leave it alone): the small requests (rounded size ≤ 1 MiB) made on the default stream are carved from it before any new segment is made; larger requests, and requests on other streams, get segments of their own as before (a segment serves one stream) |
+//! | `pinned_use_background_threads` | `True` or `False` (default) | pinned allocators file freed blocks whose events completed from a background thread of their own (polling, with short sleeps) instead of at the next allocation, which then queries no event; the thread stops when the allocator is dropped |
 //! | `backend` | `native` (default) or `cudaMallocAsync` | `cudaMallocAsync`: the default pools of CUDA allocators take every buffer straight from a stream-ordered driver pool (`cuMemAllocFromPoolAsync`) and give it straight back at its free, with no caching layer, as PyTorch's backend of that name (not with `expandable_segments`) |
 //! | `thread_cache` | `True` (default) or `False` | mempool's own: each thread keeps the blocks it freed last and reuses them for requests of the same size on the same stream without a lock; `False` gives every block to the shared best-fit sets, exactly as PyTorch places them |
+//!
+//! The `pinned_*` keys are the pinned allocators' ([`Allocator::pinned`](crate::Allocator::pinned),
+//! and simulated devices made with [`SimDevice::pinned`](crate::sim::SimDevice::pinned)): an
+//! allocator of device memory accepts them and ignores them, and its
+//! [`config`](crate::Allocator::config) reports them off, so one `MEMPOOL_ALLOC_CONF` serves both
+//! kinds of allocator.
 //!
 //! ```
 //! let c = mempool::Config::parse("max_split_size_mb:256,garbage_collection_threshold:0.8,roundup_power2_divisions:4")?;
@@ -32,7 +40,7 @@ use crate::rules::{divisions_index, LARGE_BUFFER, POWER2_INTERVALS};
 /// The environment variable read by the process-wide CUDA allocators.
 pub const ENV_VAR: &str = "MEMPOOL_ALLOC_CONF";
 
-const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache, pinned_use_cuda_host_register, pinned_num_register_threads, pinned_round_power2, backend";
+const KEYS: &str = "max_split_size_mb, garbage_collection_threshold, roundup_power2_divisions, expandable_segments, thread_cache, pinned_use_cuda_host_register, pinned_num_register_threads, pinned_round_power2, pinned_reserve_segment_size_mb, pinned_use_background_threads, backend";
 const MIB: usize = 1 << 20;
 /// The most round-up divisions per power of two (steps of 1 KiB at 1 MiB).
 const MAX_DIVISIONS: usize = 1 << 10;
@@ -60,6 +68,13 @@ pub struct Config {
     /// Pinned allocators round every size up to a power of two (PyTorch's host allocator's
     /// rule); device allocators ignore it.
     pub pinned_round_power2: bool,
+    /// Pinned allocators allocate one segment of this many bytes at creation and keep it until
+    /// they are dropped; small requests on the default stream are carved from it (0: none; see
+    /// the module's table). Device allocators ignore it.
+    pub pinned_reserve_segment_size: usize,
+    /// Pinned allocators file completed cross-stream frees from a background thread instead of
+    /// at the next allocation (see the module's table). Device allocators ignore it.
+    pub pinned_use_background_threads: bool,
     /// `backend:cudaMallocAsync`: the default pools pass every buffer to a stream-ordered driver
     /// pool with no caching (see the module's table).
     pub malloc_async: bool,
@@ -77,6 +92,8 @@ impl Default for Config {
             pinned_use_cuda_host_register: false,
             pinned_num_register_threads: 1,
             pinned_round_power2: false,
+            pinned_reserve_segment_size: 0,
+            pinned_use_background_threads: false,
             malloc_async: false,
         }
     }
@@ -127,6 +144,12 @@ impl Config {
                 "thread_cache" => b.thread_cache(parse_bool(key, value)?),
                 "pinned_use_cuda_host_register" => b.pinned_use_cuda_host_register(parse_bool(key, value)?),
                 "pinned_round_power2" => b.pinned_round_power2(parse_bool(key, value)?),
+                "pinned_use_background_threads" => b.pinned_use_background_threads(parse_bool(key, value)?),
+                "pinned_reserve_segment_size_mb" => b.pinned_reserve_segment_size_mb(parse_num(
+                    key,
+                    value,
+                    "an integer number of MiB (0: no reserve segment)",
+                )?),
                 "backend" => match value {
                     "native" => b.malloc_async(false),
                     "cudaMallocAsync" => b.malloc_async(true),
@@ -260,6 +283,30 @@ impl ConfigBuilder {
         self
     }
 
+    /// Pinned allocators allocate one segment of `mb` MiB when they are made, kept until they are
+    /// dropped, and carve the small requests of the default stream from it (0, the default: no
+    /// reserve). At most 1 TiB, and below `max_split_size_mb` when that is set (a block that
+    /// large is never split).
+    pub fn pinned_reserve_segment_size_mb(mut self, mb: usize) -> Self {
+        match mb.checked_mul(MIB).filter(|&b| b <= crate::rules::MAX_BLOCK) {
+            Some(bytes) => self.config.pinned_reserve_segment_size = bytes,
+            None => {
+                return self.fail(format!(
+                    "pinned_reserve_segment_size_mb must be at most {} (a segment is at most 1 TiB less 512 bytes; got {mb})",
+                    crate::rules::MAX_BLOCK / MIB
+                ))
+            }
+        }
+        self
+    }
+
+    /// Pinned allocators file completed cross-stream frees from a background thread of their
+    /// own instead of at the next allocation (default: off).
+    pub fn pinned_use_background_threads(mut self, on: bool) -> Self {
+        self.config.pinned_use_background_threads = on;
+        self
+    }
+
     /// The threads that fault a new registered segment's pages in (a power of two, 1 to 128).
     pub fn pinned_num_register_threads(mut self, n: usize) -> Self {
         if !n.is_power_of_two() || n > 128 {
@@ -297,6 +344,15 @@ impl ConfigBuilder {
             None if self.config.malloc_async && self.config.expandable_segments => Err(Error::Config(
                 "backend:cudaMallocAsync takes every buffer from the driver's pool: it cannot be combined with expandable_segments:True".into(),
             )),
+            None if self.config.pinned_reserve_segment_size != 0
+                && self.config.pinned_reserve_segment_size >= self.config.max_split_size =>
+            {
+                Err(Error::Config(format!(
+                    "pinned_reserve_segment_size_mb ({} MiB) must be below max_split_size_mb ({} MiB): a block that large is never split, so the reserve could serve nothing",
+                    self.config.pinned_reserve_segment_size / MIB,
+                    self.config.max_split_size / MIB
+                )))
+            }
             None => Ok(self.config),
         }
     }
