@@ -10,7 +10,7 @@ use crate::backend::host::HostBackend;
 use crate::backend::sim::SimDevice;
 use crate::backend::Backend;
 use crate::buffer::Buffer;
-use crate::caching::{DeviceAllocator, Request};
+use crate::caching::{DeviceAllocator, PollTarget, Request};
 use crate::config::Config;
 use crate::elem::AnyBitPattern;
 use crate::error::{Error, Result};
@@ -72,9 +72,30 @@ fn env_settings() -> &'static EnvSettings {
     })
 }
 
+/// A new allocator; what its settings ask for at creation failing (the reserve segment, the
+/// background thread) is kept as its error, reported by the next call that can fail.
 fn make<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Allocator<K> {
+    let (a, started) = make_started(backend, config, ext);
+    if let Err(e) = started {
+        a.shared.core.keep_error(e);
+    }
+    a
+}
+
+/// A new allocator, and whether what its settings ask for at creation could be done.
+fn make_started<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> (Allocator<K>, Result<()>) {
     env_settings();
-    Allocator { shared: Handle::Owned(Arc::new(shared(backend, config, ext))) }
+    let s = Arc::new(shared(backend, config, ext));
+    let started = s
+        .core
+        .make_reserve()
+        .and_then(|()| s.core.start_background(PollTarget::Weak(Arc::downgrade(&s)), core_of::<K>));
+    (Allocator { shared: Handle::Owned(s) }, started)
+}
+
+/// Where the background event thread finds the allocator in its handle's shared part.
+fn core_of<K: Kind>(s: &Shared<K>) -> &DeviceAllocator {
+    &s.core
 }
 
 /// Per device: the allocator once made (read without a lock on every `mempool::alloc`), and a
@@ -112,9 +133,18 @@ fn process_wide(
     }
     let (backend, config) = make()?;
     let ext = CudaExt::new(backend.clone());
-    // Lives for the rest of the process, like the device itself.
     env_settings();
-    let a = Allocator { shared: Handle::Static(Box::leak(Box::new(shared::<Cuda>(backend, config, ext)))) };
+    let s = Box::new(shared::<Cuda>(backend, config, ext));
+    // Before it is leaked: an allocator whose reserve segment cannot be had is dropped here.
+    s.core.make_reserve()?;
+    // Lives for the rest of the process, like the device itself (its background thread too).
+    let s: &'static Shared<Cuda> = Box::leak(s);
+    // Not started: the allocator still works (allocations process events); the error is
+    // reported by its next fallible call, as the slot keeps the allocator.
+    if let Err(e) = s.core.start_background(PollTarget::Static(s), core_of::<Cuda>) {
+        s.core.keep_error(e);
+    }
+    let a = Allocator { shared: Handle::Static(s) };
     Ok(slot.get_or_init(|| a).clone())
 }
 
@@ -154,7 +184,12 @@ impl Allocator<Cuda> {
     /// next owner's writes (the host is not stream-ordered); a buffer the device never used
     /// goes back at once (through the thread caches). No expandable segments.
     ///
-    /// Errors: as [`cuda`](Self::cuda).
+    /// `pinned_reserve_segment_size_mb` gives it a reserve segment, allocated here and kept until
+    /// the process ends, that the small requests of the default stream are carved from;
+    /// `pinned_use_background_threads` gives it a thread that files the blocks whose events
+    /// completed, instead of the next allocation (see the table in [`config`](crate::config)).
+    ///
+    /// Errors: as [`cuda`](Self::cuda), and a reserve segment that cannot be allocated.
     pub fn pinned(ordinal: usize) -> Result<Allocator<Cuda>> {
         static SLOTS: OnceLock<CudaSlots> = OnceLock::new();
         process_wide(device_slots(&SLOTS)?, ordinal, || pinned_parts(ordinal, Config::from_env()?))
@@ -162,10 +197,15 @@ impl Allocator<Cuda> {
 
     /// A new pinned host memory allocator of device `ordinal` with these settings (not the
     /// process-wide one): for `pinned_use_cuda_host_register` in one part of a program, say.
+    ///
+    /// With `pinned_reserve_segment_size_mb`, the reserve segment is allocated here (an error if
+    /// it cannot be); with `pinned_use_background_threads`, the allocator's background event
+    /// thread starts here and ends when the allocator is dropped (its last handle and buffer).
     pub fn pinned_with(ordinal: usize, config: Config) -> Result<Allocator<Cuda>> {
         let (backend, config) = pinned_parts(ordinal, config)?;
         let ext = CudaExt::new(backend.clone());
-        Ok(make::<Cuda>(backend, config, ext))
+        let (a, started) = make_started::<Cuda>(backend, config, ext);
+        started.map(|()| a)
     }
 
     /// Whether this allocator makes pinned host memory ([`pinned`](Self::pinned)).
@@ -392,7 +432,8 @@ impl<K: Kind> Allocator<K> {
     }
 
     /// Waits for pending cross-stream frees, then gives every wholly free cached segment back to
-    /// the device. Reports an error kept from an earlier `Drop`.
+    /// the device (a pinned allocator's reserve segment excepted: it goes only when the
+    /// allocator is dropped). Reports an error kept from an earlier `Drop`.
     pub fn empty_cache(&self) -> Result<()> {
         self.shared.core.empty_cache()
     }

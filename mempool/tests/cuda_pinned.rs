@@ -233,3 +233,105 @@ fn pinned_round_power2_applies_to_pinned_allocators_only() {
     assert_eq!(pinned.memory_stats().allocated_bytes.all.current, 4096 + (2 << 20));
     drop((b, big));
 }
+
+/// The state of the block at `addr` in `a`'s snapshot (a snapshot processes no event).
+fn block_state_at(a: &Allocator, addr: u64) -> Option<mempool::BlockState> {
+    a.snapshot().segments.iter().flat_map(|s| s.blocks.iter()).find(|b| b.address == addr).map(|b| b.state)
+}
+
+/// `pinned_reserve_segment_size_mb`: the reserve is pinned memory from the allocator's creation
+/// (reserved bytes count it), the small buffers of the default stream are carved from it and
+/// carry real copies both ways, and `empty_cache` keeps it while ordinary segments go back.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn pinned_reserve_segment_serves_small_default_stream_buffers() {
+    const RESERVE: usize = 16 << 20;
+    let cfg = mempool::Config::parse("pinned_reserve_segment_size_mb:16").unwrap();
+    let pinned = Allocator::pinned_with(0, cfg).unwrap();
+    let stats = pinned.memory_stats();
+    assert_eq!((stats.reserved_bytes.all.current, stats.num_device_alloc), (RESERVE as i64, 1));
+    let snap = pinned.snapshot();
+    assert_eq!(snap.segments.len(), 1, "the reserve alone, before any request");
+    let (base, end) = (snap.segments[0].address, snap.segments[0].address + RESERVE as u64);
+    let gpu = Allocator::cuda(0).unwrap();
+    let s = gpu.current_stream(); // the default stream, the reserve's
+    const SMALL: usize = 1 << 16; // 256 KiB of u32
+    let mut h = pinned.alloc::<u32>(SMALL).unwrap();
+    for (i, x) in h.host_slice_mut().unwrap().iter_mut().enumerate() {
+        *x = (i as u32).wrapping_mul(2_654_435_761);
+    }
+    let mut d = gpu.alloc::<u32>(SMALL).unwrap();
+    s.memcpy_dtod(&h, &mut d).unwrap(); // pinned (reserve) -> device
+    let mut back = pinned.alloc_zeros::<u32>(SMALL).unwrap();
+    s.memcpy_dtod(&d, &mut back).unwrap(); // device -> pinned (reserve)
+    assert!(back.host_slice().unwrap().iter().enumerate().all(|(i, &x)| x == (i as u32).wrapping_mul(2_654_435_761)));
+    for b in [&h, &back] {
+        let a = b.device_ptr_raw();
+        assert!((base..end).contains(&a), "{a:#x} is not in the reserve {base:#x}..{end:#x}");
+    }
+    assert_eq!(pinned.memory_stats().num_device_alloc, 1, "no segment beyond the reserve");
+    // A large buffer gets a segment of its own, which `empty_cache` gives back; not the reserve.
+    let big = pinned.alloc::<u8>(4 << 20).unwrap();
+    assert!(!(base..end).contains(&big.device_ptr_raw()));
+    drop((h, back, d, big));
+    s.synchronize().unwrap();
+    pinned.empty_cache().unwrap();
+    assert_eq!(pinned.memory_stats().reserved_bytes.all.current, RESERVE as i64, "the reserve stays");
+    let snap = pinned.snapshot();
+    assert_eq!(snap.segments.len(), 1);
+    assert_eq!(snap.segments[0].address, base);
+    assert_eq!(snap.segments[0].blocks.len(), 1, "wholly free again");
+}
+
+/// `pinned_use_background_threads` (with a reserve too): a copy gated behind a stream that has
+/// not run yet keeps its dropped pinned source out of reuse while the gate is closed, even with
+/// the background thread looking; once the gate opens, the thread files the block with no
+/// allocation made, and the next request of that size gets it back without new memory.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_background_thread_keeps_a_gated_copy_source_out_of_reuse_then_files_it() {
+    let cfg = mempool::Config::parse("pinned_use_background_threads:True,pinned_reserve_segment_size_mb:8").unwrap();
+    let pinned = Allocator::pinned_with(0, cfg).unwrap();
+    assert!(pinned.config().pinned_use_background_threads);
+    let gpu = Allocator::cuda(0).unwrap();
+    let ctx = ctx();
+    let (s, side) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let mut flag = {
+        let _on = pinned.set_stream(&side).unwrap();
+        pinned.alloc_zeros::<u32>(1).unwrap()
+    };
+    flag.host_slice_mut().unwrap()[0] = 0;
+    let _on = pinned.set_stream(&s).unwrap();
+    let _on_gpu = gpu.set_stream(&s).unwrap();
+    let mut src = pinned.alloc::<u8>(N).unwrap();
+    src.host_slice_mut().unwrap().fill(0x5C);
+    let mut dst = gpu.alloc_zeros::<u8>(N).unwrap();
+    gate(&s, &flag);
+    s.memcpy_dtod(&src, &mut dst).unwrap(); // queued behind the gate: reads `src` later
+    let old = src.device_ptr_raw();
+    drop(src);
+    // The thread looks many times meanwhile; the event cannot complete, the block must wait.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    assert_eq!(block_state_at(&pinned, old), Some(mempool::BlockState::AwaitingStreams));
+    let next = pinned.alloc::<u8>(N).unwrap();
+    assert_ne!(next.device_ptr_raw(), old, "a pinned block was reused while a queued copy still reads it");
+    flag.host_slice_mut().unwrap()[0] = 1; // open the gate
+    s.synchronize().unwrap();
+    assert!(s.clone_dtoh(&dst).unwrap().iter().all(|&b| b == 0x5C), "the copy read the original data");
+    // No allocation from here: the background thread alone files the block.
+    let since = std::time::Instant::now();
+    while block_state_at(&pinned, old) != Some(mempool::BlockState::Free) {
+        assert!(since.elapsed() < std::time::Duration::from_secs(5), "the background thread did not file the block");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    println!("filed by the background thread {:?} after the stream finished", since.elapsed());
+    let reserved = pinned.memory_stats().reserved_bytes.all.current;
+    let again = pinned.alloc::<u8>(N).unwrap();
+    assert_eq!(again.device_ptr_raw(), old, "the filed block is handed out again");
+    assert_eq!(pinned.memory_stats().reserved_bytes.all.current, reserved, "no new memory");
+    drop((again, next, flag));
+    s.synchronize().unwrap();
+    side.synchronize().unwrap();
+    // Dropping the allocator stops its thread and gives every segment back (reserve included).
+    drop(pinned);
+}

@@ -36,6 +36,7 @@ impl State {
             if matches!(unsafe { be.capture_id(u.stream.raw) }, Ok(Some(_))) {
                 self.block_mut(block).pending += 1;
                 self.foreign.push((block, u));
+                self.kick |= self.background;
                 continue;
             }
             // SAFETY: `u.stream` is a stream of this device that is alive: `u.keep` holds it
@@ -44,6 +45,7 @@ impl State {
                 Ok(ev) => {
                     self.pending.push((ev, block));
                     self.block_mut(block).pending += 1;
+                    self.kick |= self.background;
                 }
                 Err(e) => {
                     // Without an event there is no telling when the other stream is done with the

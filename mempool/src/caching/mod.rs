@@ -9,6 +9,8 @@
 //! | `state.rs` | the data behind the lock; carving: best fit, split, merge, counting |
 //! | `segments.rs` | new segments, release, garbage collection, the out-of-memory report, pool retirement |
 //! | `events.rs` | cross-stream frees through events |
+//! | `background.rs` | the background thread that files completed cross-stream frees (`pinned_use_background_threads`) |
+//! | `reserve.rs` | a pinned allocator's reserve segment (`pinned_reserve_segment_size_mb`) |
 //! | `freeset.rs` | the binned best-fit sets |
 //!
 //! **What runs under the lock**: only this module's own code and event queries. User code (trace
@@ -20,10 +22,12 @@
 //! back, and a call that obtained a segment returns only after its `SegmentAlloc` was delivered
 //! (unless another thread was delivering at that moment; it then delivers it).
 
+mod background;
 mod capture;
 mod events;
 mod expand;
 mod freeset;
+mod reserve;
 mod segments;
 mod state;
 mod tcache;
@@ -31,7 +35,7 @@ mod tcache;
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 
 use crate::backend::{contain, Backend, BackendError, Keep};
 use crate::config::Config;
@@ -41,6 +45,7 @@ use crate::rules::is_small;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::stats::{MemoryStats, PoolStats};
 use crate::trace;
+pub(crate) use background::PollTarget;
 pub(crate) use state::{BlockIdx, PoolSpec};
 use state::{SegIdx, Slot, Source, State, Work};
 
@@ -193,6 +198,8 @@ pub(crate) struct DeviceAllocator {
     /// allocator calling back on the running thread) queued: the run delivers them too before
     /// it stops, as those calls cannot wait for themselves.
     nested_target: AtomicU64,
+    /// The background event thread's controls, once it is started (`background.rs`).
+    poller: OnceLock<Arc<background::Poller>>,
 }
 
 /// The state, locked, with its statistics sink pointed at the calling thread's counters (or at
@@ -223,6 +230,11 @@ impl Drop for Locked<'_> {
     fn drop(&mut self) {
         let Some(mut g) = self.guard.take() else { return };
         self.owner.has_error.store(g.error.is_some(), Ordering::Relaxed);
+        // An event queued for the background thread: it is woken once the lock is let go.
+        let kick = g.kick;
+        if kick {
+            g.kick = false;
+        }
         if !g.outbox.is_empty() {
             // Queued by a call that lets go without running the outbox (a deferred block
             // filed as this lock was taken): the next run delivers it.
@@ -231,6 +243,11 @@ impl Drop for Locked<'_> {
         g.sink.clear();
         drop(g);
         drop(self.retired.take());
+        if kick {
+            if let Some(p) = self.owner.poller.get() {
+                p.kick();
+            }
+        }
     }
 }
 
@@ -277,8 +294,13 @@ impl DeviceAllocator {
         // blocks the device never used (`Buffer::mark_device_use`) reach the thread caches, which
         // hand blocks out again at once.
         let host_visible = backend.host_visible();
-        // Power-of-two rounding is the pinned allocators' option alone.
+        // Power-of-two rounding, the reserve segment and the background event thread are the
+        // pinned allocators' options alone.
         config.pinned_round_power2 &= host_visible;
+        config.pinned_use_background_threads &= host_visible;
+        if !host_visible {
+            config.pinned_reserve_segment_size = 0;
+        }
         // `backend:cudaMallocAsync`: the default pools pass every buffer to the driver's
         // stream-ordered pool, with no caching (no thread caches either).
         let malloc_async = if config.malloc_async { backend.malloc_async_source() } else { None };
@@ -314,6 +336,7 @@ impl DeviceAllocator {
             pool_live: std::array::from_fn(|_| AtomicU64::new(0)),
             host_visible,
             nested_target: AtomicU64::new(0),
+            poller: OnceLock::new(),
         }
     }
 
@@ -687,7 +710,8 @@ impl DeviceAllocator {
         if let Some(e) = st.error.take() {
             return Err(e);
         }
-        if !st.pending.is_empty() || !st.foreign.is_empty() {
+        // With the background thread, it files completed frees; the allocation queries nothing.
+        if !st.background && (!st.pending.is_empty() || !st.foreign.is_empty()) {
             st.process_events(&*self.backend);
         }
         st.tick += 1;
@@ -1212,8 +1236,9 @@ impl DeviceAllocator {
     }
 
     /// Waits for every pending cross-stream free, then gives back every wholly free segment of the
-    /// default pools and of released pools (live user pools keep theirs: `MemPool::empty_cache`),
-    /// and tries again the segments whose free failed before.
+    /// default pools and of released pools (live user pools keep theirs: `MemPool::empty_cache`;
+    /// a pinned allocator keeps its reserve segment), and tries again the segments whose free
+    /// failed before.
     pub(crate) fn empty_cache(&self) -> Result<()> {
         self.refuse_if_capturing("empty_cache")?;
         let _span = tracing_span!(::tracing::Level::DEBUG, "empty_cache", device = self.backend.device());
@@ -1314,6 +1339,12 @@ impl DeviceAllocator {
     /// An error kept from a call that could not return one (a `Drop`), taken.
     pub(crate) fn take_error(&self) -> Option<Error> {
         self.lock().error.take()
+    }
+
+    /// Keeps `e` for the next call that can fail (unless an earlier error is kept already).
+    pub(crate) fn keep_error(&self, e: Error) {
+        let mut st = self.lock();
+        st.error.get_or_insert(e);
     }
 
     /// Adds a user pool; returns its place in the pool table.
@@ -1424,6 +1455,11 @@ impl DeviceAllocator {
 /// too (their addresses were only ever numbers to safe code).
 impl Drop for DeviceAllocator {
     fn drop(&mut self) {
+        // The background thread first: it holds no reference now (it would have kept the
+        // allocator alive), so it is asleep or about to find its `Weak` dead.
+        if let Some(p) = self.poller.get() {
+            p.stop();
+        }
         let be = &*self.backend;
         let mut cached = Vec::new();
         self.caches.close(&mut cached);
@@ -1445,6 +1481,8 @@ impl Drop for DeviceAllocator {
         for p in &mut st.pools {
             p.released = true;
         }
+        // The reserve segment goes with the rest.
+        st.kept_segment = None;
         st.release_cached(|_| true);
         drop(st);
         // No other thread can reach this allocator any more: its last work runs here, even if

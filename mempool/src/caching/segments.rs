@@ -94,8 +94,9 @@ impl State {
     /// Gives back a wholly free segment: an ordinary one to its source, the mapped range of an
     /// expandable one unmapped.
     pub(super) fn release_whole(&mut self, seg: SegIdx) {
-        // No memory goes back during a graph capture; `end_capture` catches up.
-        if !self.captures.is_empty() {
+        // No memory goes back during a graph capture; `end_capture` catches up. The reserve
+        // segment stays until the allocator is dropped.
+        if !self.captures.is_empty() || self.kept(seg.0 as usize) {
             return;
         }
         if self.segments[seg.0 as usize].res.is_some() {
@@ -188,7 +189,7 @@ impl State {
         }
         for seg in 0..self.segments.len() {
             let s = &self.segments[seg];
-            if !s.live || self.pools[s.pool.get()].pinned > 0 || !which(&self.pools[s.pool.get()]) {
+            if !s.live || self.pools[s.pool.get()].pinned > 0 || self.kept(seg) || !which(&self.pools[s.pool.get()]) {
                 continue;
             }
             if s.res.is_some() {
@@ -357,7 +358,7 @@ impl State {
             return;
         }
         let mut free: Vec<(u64, u32)> = (0..self.segments.len())
-            .filter(|&s| self.wholly_free(s))
+            .filter(|&s| self.wholly_free(s) && !self.kept(s))
             .filter(|&s| {
                 let p = &self.pools[self.segments[s].pool.get()];
                 p.spec.id == PoolId::DEFAULT || p.released

@@ -336,6 +336,15 @@ pub(super) struct State {
     pub(super) reservations: Vec<Option<super::expand::Reservation>>,
     pub(super) vm_page: Option<usize>,
     pub(super) reserve_size: usize,
+    /// A pinned allocator's reserve segment (`pinned_reserve_segment_size_mb`): never given
+    /// back while the allocator lives (`kept`); `Drop` clears it first.
+    pub(super) kept_segment: Option<SegIdx>,
+    /// A background thread files completed cross-stream frees (`background.rs`): allocations
+    /// query no event, and a new pending event wakes the thread (`kick`).
+    pub(super) background: bool,
+    /// An event was queued for the background thread in this locked section (it is woken once
+    /// the lock is let go).
+    pub(super) kick: bool,
 }
 
 impl State {
@@ -390,7 +399,17 @@ impl State {
             reservations: Vec::new(),
             vm_page: None,
             reserve_size: 0,
+            kept_segment: None,
+            background: false,
+            kick: false,
         }
+    }
+
+    /// Whether segment `seg` is the reserve segment, which nothing gives back while the
+    /// allocator lives.
+    #[inline]
+    pub(super) fn kept(&self, seg: usize) -> bool {
+        self.kept_segment == Some(SegIdx(seg as u32))
     }
 
     #[inline(always)]
