@@ -1083,6 +1083,22 @@ impl<T> SymmMemory<T> {
         cuda("cuStreamWriteValue32", unsafe { sys::cuStreamWriteValue32_v2(stream.cu_stream(), w, 0, 0) })
     }
 
+    /// The device address of an array of [`world_size`](Self::world_size) `u64`: every rank's
+    /// data as this rank's device addresses it ([`buffer_ptrs`](Self::buffer_ptrs)), for a
+    /// kernel of the caller's. Made on `stream` at first use (with the built-in kernels), then
+    /// kept, unchanged, as long as `self`.
+    pub fn buffer_ptrs_dev(&self, stream: &Arc<CudaStream>) -> Result<u64> {
+        self.check(self.rank, 0, stream)?;
+        Ok(self.kernels(stream)?.ptrs.device_ptr_raw())
+    }
+
+    /// As [`buffer_ptrs_dev`](Self::buffer_ptrs_dev), for every rank's signal pad
+    /// ([`signal_pad_ptrs`](Self::signal_pad_ptrs)).
+    pub fn signal_pad_ptrs_dev(&self, stream: &Arc<CudaStream>) -> Result<u64> {
+        self.check(self.rank, 0, stream)?;
+        Ok(self.kernels(stream)?.pads.device_ptr_raw())
+    }
+
     /// Queues on `stream`: signal every other rank on `channel`, then wait for every other rank
     /// (collective). One kernel launch (the protocol of [`put_signal`](Self::put_signal) and
     /// [`wait_signal`](Self::wait_signal), signals written by one thread per peer): after it,

@@ -527,6 +527,19 @@ fn symm_rank_checks(comm: &Communicator) -> usize {
         let stream = comm.context().new_stream().unwrap();
         let symm = symm_empty::<u32>(comm, N, &stream).unwrap();
         assert_eq!((symm.buffer_ptrs().len(), symm.signal_pad_ptrs().len()), (world, world));
+        // The device arrays hold the same addresses.
+        for (dev, host) in [
+            (symm.buffer_ptrs_dev(&stream).unwrap(), symm.buffer_ptrs()),
+            (symm.signal_pad_ptrs_dev(&stream).unwrap(), symm.signal_pad_ptrs()),
+        ] {
+            let mut words = vec![0u64; world];
+            comm.context().bind_to_thread().unwrap();
+            // SAFETY: `dev` is a device array of `world` u64 that `symm` keeps alive; `words` has
+            // room for them.
+            let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(words.as_mut_ptr().cast(), dev, world * 8) };
+            assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+            assert_eq!(words, host, "rank {rank}: the device array");
+        }
         let mut mine = symm.peer(rank, &stream).unwrap();
         stream.memcpy_htod(&pattern(rank), &mut mine).unwrap();
         symm.barrier(0, &stream).unwrap();
