@@ -95,10 +95,13 @@ const KERNEL_BLOCKS: usize = 64;
 /// kernel become visible to the peers that acquire it); each rank copies every other rank's
 /// chunk (and the last rank's tail) into its own data; the barrier on words `+ 128`.
 ///
-/// `barrier_sync(const u64* pads, u32 world, u32 rank, u32 channel)`, one block: thread `t`
-/// sets word `rank*16 + channel` (a channel of `put_signal`) of rank `t`'s pad and waits for
-/// word `t*16 + channel` of its own, then clears it: the protocol of `put_signal` and
-/// `wait_signal`, in one launch.
+/// `barrier_sync(const u64* pads, u32 world, u32 rank, u32 channel, u32 src, u64 timeout_ns,
+/// u32* status)`, one block: with `src == u32::MAX` (a barrier), thread `t` sets word
+/// `rank*16 + channel` (a channel of `put_signal`) of rank `t`'s pad, waits for word
+/// `t*16 + channel` of its own and clears it: the protocol of `put_signal` and `wait_signal`,
+/// in one launch; otherwise only thread `src` waits (`wait_signal`). With `timeout_ns > 0`, a
+/// wait that sees no signal for that long (`%globaltimer`) sets `status[t]` to 1 and ends,
+/// leaving the word as it is.
 ///
 /// The signals are relaxed stores (system scope), with no fence before them: the first says
 /// "my data is ready", and that data was written by work that completed before this kernel
@@ -448,23 +451,32 @@ TC_DONE:
     ret;
 }
 
-.visible .entry barrier_sync(.param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank, .param .u32 p_channel)
+.visible .entry barrier_sync(.param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank, .param .u32 p_channel,
+    .param .u32 p_src, .param .u64 p_timeout, .param .u64 p_status)
 {
-    .reg .pred %p<4>;
+    .reg .pred %p<6>;
     .reg .b32 %r<12>;
-    .reg .b64 %rd<10>;
+    .reg .b64 %rd<14>;
     ld.param.u64 %rd1, [p_pads];
     ld.param.u32 %r1, [p_world];
     ld.param.u32 %r2, [p_rank];
     ld.param.u32 %r3, [p_channel];
+    ld.param.u32 %r10, [p_src];
+    ld.param.u64 %rd8, [p_timeout];
+    ld.param.u64 %rd9, [p_status];
     cvta.to.global.u64 %rd1, %rd1;
     mov.u32 %r4, %tid.x;
     setp.ge.u32 %p1, %r4, %r1;
     setp.eq.u32 %p2, %r4, %r2;
     or.pred %p3, %p1, %p2;
+    setp.ne.u32 %p4, %r10, 0xFFFFFFFF;
+    setp.ne.u32 %p5, %r4, %r10;
+    and.pred %p5, %p4, %p5;
+    or.pred %p3, %p3, %p5;
     @%p3 bra BAR_DONE;
     mov.u32 %r8, 1;
     mov.u32 %r9, 0;
+    @%p4 bra BAR_WAIT;
     mul.wide.u32 %rd2, %r4, 8;
     add.u64 %rd2, %rd1, %rd2;
     ld.global.u64 %rd3, [%rd2];
@@ -472,16 +484,30 @@ TC_DONE:
     mul.wide.u32 %rd4, %r5, 4;
     add.u64 %rd4, %rd3, %rd4;
     st.relaxed.sys.global.u32 [%rd4], %r8;
+BAR_WAIT:
     mul.wide.u32 %rd5, %r2, 8;
     add.u64 %rd5, %rd1, %rd5;
     ld.global.u64 %rd6, [%rd5];
     mad.lo.u32 %r6, %r4, 16, %r3;
     mul.wide.u32 %rd7, %r6, 4;
     add.u64 %rd7, %rd6, %rd7;
+    mov.u64 %rd10, %globaltimer;
 BAR_SPIN:
     ld.acquire.sys.global.u32 %r7, [%rd7];
-    setp.eq.u32 %p1, %r7, 0;
-    @%p1 bra BAR_SPIN;
+    setp.ne.u32 %p1, %r7, 0;
+    @%p1 bra BAR_SEEN;
+    setp.eq.u64 %p2, %rd8, 0;
+    @%p2 bra BAR_SPIN;
+    mov.u64 %rd11, %globaltimer;
+    sub.u64 %rd11, %rd11, %rd10;
+    setp.lt.u64 %p2, %rd11, %rd8;
+    @%p2 bra BAR_SPIN;
+    cvta.to.global.u64 %rd9, %rd9;
+    mul.wide.u32 %rd12, %r4, 4;
+    add.u64 %rd12, %rd9, %rd12;
+    st.global.u32 [%rd12], %r8;
+    bra BAR_DONE;
+BAR_SEEN:
     st.relaxed.sys.global.u32 [%rd7], %r9;
 BAR_DONE:
     ret;
@@ -519,6 +545,8 @@ pub struct SymmMemory<T> {
     /// Where each rank's allocation is mapped in this process, for this rank's device.
     bases: Vec<u64>,
     kernels: std::sync::OnceLock<Kernels>,
+    /// A timed wait ran out: the signals are out of step, and every later one is refused.
+    broken: std::sync::atomic::AtomicBool,
     _elem: PhantomData<T>,
 }
 
@@ -676,6 +704,7 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
         bytes,
         bases,
         kernels: std::sync::OnceLock::new(),
+        broken: std::sync::atomic::AtomicBool::new(false),
         _elem: PhantomData,
     })
 }
@@ -1040,6 +1069,11 @@ impl<T> SymmMemory<T> {
     }
 
     fn check(&self, rank: usize, channel: usize, stream: &CudaStream) -> Result<()> {
+        if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(Error::Symmetric(
+                "a timed wait on this allocation ran out: its signals are out of step; drop it".into(),
+            ));
+        }
         if rank >= self.world {
             return Err(Error::InvalidRank { rank, world_size: self.world });
         }
@@ -1105,22 +1139,101 @@ impl<T> SymmMemory<T> {
     /// every rank's work queued before its barrier is done, its writes visible to every rank.
     pub fn barrier(&self, channel: usize, stream: &Arc<CudaStream>) -> Result<()> {
         self.check(self.rank, channel, stream)?;
+        self.sync_kernel(channel, None, 0, 0, stream)
+    }
+
+    /// [`barrier`](Self::barrier), waiting at most `timeout` for each rank, and for the barrier
+    /// itself: this call returns once the stream's work up to the barrier is done. Errors name
+    /// the ranks that did not arrive in time; the signals of this allocation are then out of
+    /// step (a late rank's signal is left in the pad), so every later signal, barrier or kernel
+    /// on it is refused: drop it.
+    pub fn barrier_timeout(&self, channel: usize, timeout: Duration, stream: &Arc<CudaStream>) -> Result<()> {
+        self.check(self.rank, channel, stream)?;
+        self.timed_wait(channel, None, timeout, stream)
+    }
+
+    /// [`wait_signal`](Self::wait_signal), waiting at most `timeout`; returns once the stream's
+    /// work up to the wait is done. Error: rank `src` did not signal in time (the allocation's
+    /// signals are then out of step, as with [`barrier_timeout`](Self::barrier_timeout)).
+    pub fn wait_signal_timeout(
+        &self,
+        src: usize,
+        channel: usize,
+        timeout: Duration,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        self.check(src, channel, stream)?;
+        if src == self.rank {
+            return Err(Error::Symmetric(format!("rank {src} waits for a signal from itself")));
+        }
+        self.timed_wait(channel, Some(src), timeout, stream)
+    }
+
+    fn timed_wait(
+        &self,
+        channel: usize,
+        src: Option<usize>,
+        timeout: Duration,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1);
+        let status = stream.alloc_zeros::<u32>(self.world).map_err(Error::cuda)?;
+        let (ptr, _sync) = status.device_ptr(stream);
+        self.sync_kernel(channel, src, ns, ptr, stream)?;
+        drop(_sync);
+        let late: Vec<usize> = stream
+            .clone_dtoh(&status)
+            .map_err(Error::cuda)?
+            .iter()
+            .enumerate()
+            .filter(|(_, &v)| v != 0)
+            .map(|(r, _)| r)
+            .collect();
+        if late.is_empty() {
+            return Ok(());
+        }
+        self.broken.store(true, std::sync::atomic::Ordering::Relaxed);
+        let what = if src.is_some() { "signal" } else { "reach the barrier" };
+        Err(Error::Symmetric(format!(
+            "rank {}: rank(s) {late:?} did not {what} on channel {channel} within {timeout:?}; this allocation's \
+             signals are out of step now: drop it",
+            self.rank
+        )))
+    }
+
+    /// Launches the barrier kernel: every peer (`src: None`) or one, with a timeout (0: none)
+    /// reported in `status` (a device array of `world` u32, or 0).
+    fn sync_kernel(
+        &self,
+        channel: usize,
+        src: Option<usize>,
+        timeout_ns: u64,
+        status: u64,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
         if self.world > 1024 {
             return Err(Error::Symmetric("the barrier kernel serves at most 1,024 ranks".into()));
         }
         let k = self.kernels(stream)?;
         let (mut p_pads, mut p_world, mut p_rank, mut p_channel) =
             (k.pads.device_ptr_raw(), self.world as u32, self.rank as u32, channel as u32);
-        let mut params: [*mut std::ffi::c_void; 4] = [
+        let (mut p_src, mut p_timeout, mut p_status) = (src.map_or(u32::MAX, |s| s as u32), timeout_ns, status);
+        let mut params: [*mut std::ffi::c_void; 7] = [
             (&mut p_pads as *mut u64).cast(),
             (&mut p_world as *mut u32).cast(),
             (&mut p_rank as *mut u32).cast(),
             (&mut p_channel as *mut u32).cast(),
+            (&mut p_src as *mut u32).cast(),
+            (&mut p_timeout as *mut u64).cast(),
+            (&mut p_status as *mut u64).cast(),
         ];
-        // SAFETY: barrier_sync takes (const u64* pads, u32 world, u32 rank, u32 channel), the
-        // four parameters above: `pads` holds every rank's pad address (mapped for this device),
-        // each with the words `r*CHANNELS + channel` (`channel < CHANNELS`, checked) it uses;
-        // one block of at least `world` threads.
+        // SAFETY: barrier_sync takes (const u64* pads, u32 world, u32 rank, u32 channel, u32 src,
+        // u64 timeout_ns, u32* status), the seven parameters above: `pads` holds every rank's
+        // pad address (mapped for this device), each with the words `r*CHANNELS + channel`
+        // (`channel < CHANNELS`, checked by the callers) it uses; `src` is a rank other than
+        // this one, or u32::MAX; `status` is 0 with no timeout, else `world` u32 of this device
+        // alive until the kernel is done (the callers read it back, which waits for it); one
+        // block of at least `world` threads.
         unsafe { self.launch(k.barrier, 1, (self.world as u32).next_multiple_of(32), stream, &mut params) }
     }
 

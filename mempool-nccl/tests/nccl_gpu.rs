@@ -569,6 +569,26 @@ fn symm_rank_checks(comm: &Communicator) -> usize {
             std::thread::sleep(Duration::from_millis(200)); // arrives late
         }
         symm.barrier(3, &stream).unwrap();
+        // Timed: a barrier everyone reaches, a signal that comes, then one that never does,
+        // which names its rank, and the allocation refuses signals from then on.
+        symm.barrier_timeout(5, Duration::from_secs(20), &stream).unwrap();
+        if world >= 2 && rank < 2 {
+            if rank == 0 {
+                symm.put_signal(1, 6, &stream).unwrap();
+            } else {
+                symm.wait_signal_timeout(0, 6, Duration::from_secs(20), &stream).unwrap();
+            }
+        }
+        let lone = symm_empty::<u8>(comm, 64, &stream).unwrap();
+        if rank == 1 {
+            let t = Instant::now();
+            let e = lone.wait_signal_timeout(0, 7, Duration::from_millis(300), &stream).unwrap_err().to_string();
+            assert!(e.contains("rank(s) [0] did not signal on channel 7"), "{e}");
+            assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
+            let e = lone.barrier(0, &stream).unwrap_err().to_string();
+            assert!(e.contains("out of step"), "{e}");
+        }
+        assert!(symm.wait_signal_timeout(rank, 0, Duration::from_secs(1), &stream).is_err(), "from itself");
         stream.synchronize().unwrap();
         // A one-shot all-reduce of f32 symmetric memory: every rank gets the sum.
         let f = symm_empty::<f32>(comm, 1000, &stream).unwrap();
