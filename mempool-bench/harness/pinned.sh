@@ -17,4 +17,9 @@ for round in 1 2; do
   # (`pinned_round_power2:True`) shows what it costs in reserved bytes on the mixed workload.
   echo "== power-of-two rounding (MEMPOOL_ALLOC_CONF=pinned_round_power2:True)"
   CUDA_VISIBLE_DEVICES=0 MEMPOOL_ALLOC_CONF=pinned_round_power2:True "$bin" latency mixed --backend pinned
+  # PyTorch's two other host-allocator options: a reserve segment the small requests are carved
+  # from, and a thread that files the blocks whose events completed.
+  echo "== reserve segment and background thread (pinned_reserve_segment_size_mb:64,pinned_use_background_threads:True)"
+  CUDA_VISIBLE_DEVICES=0 MEMPOOL_ALLOC_CONF=pinned_reserve_segment_size_mb:64,pinned_use_background_threads:True \
+    "$bin" latency pair mixed --backend pinned
 done
