@@ -495,7 +495,7 @@ fn run<K: Kind>(a: Allocator<K>, cmd: &str, args: &[String], mut streams: Stream
 }
 
 fn usage() -> String {
-    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|host|cuda|pinned]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]\n       mempool-bench graph <trace>... [--backend sim|cuda]\n       mempool-bench graph-launch\n       mempool-bench sources   (CUDA: cache hits over segment sources)".into()
+    "usage: mempool-bench latency [pair|mixed|pair-raw|mixed-raw]... [--backend sim|sim-pinned|host|cuda|pinned]\n       mempool-bench replay <trace>... [--backend sim|host|cuda]\n       mempool-bench scope [--backend sim|host|cuda]\n       mempool-bench threads [--shared-stream] [--backend sim|host|cuda]\n       mempool-bench graph <trace>... [--backend sim|cuda]\n       mempool-bench graph-launch\n       mempool-bench sources   (CUDA: cache hits over segment sources)".into()
 }
 
 fn main() -> ExitCode {
@@ -558,7 +558,14 @@ fn main() -> ExitCode {
             let streams = Streams { default: sim.default_stream(), new: &mut || Ok(sim.new_stream()) };
             run(Allocator::sim_with(sim.clone(), config), &cmd, rest, streams)
         }
-        other => Err(format!("unknown backend `{other}`; valid: sim, host, cuda, pinned")),
+        // A simulated device whose memory counts as pinned (`SimDevice::pinned`): the pinned
+        // allocators' rules and `pinned_*` settings on a machine without a GPU.
+        "sim-pinned" => {
+            let sim = SimDevice::pinned(usize::MAX / 2);
+            let streams = Streams { default: sim.default_stream(), new: &mut || Ok(sim.new_stream()) };
+            run(Allocator::sim_with(sim.clone(), config), &cmd, rest, streams)
+        }
+        other => Err(format!("unknown backend `{other}`; valid: sim, sim-pinned, host, cuda, pinned")),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
