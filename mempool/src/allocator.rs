@@ -10,7 +10,7 @@ use crate::backend::host::HostBackend;
 use crate::backend::sim::SimDevice;
 use crate::backend::Backend;
 use crate::buffer::Buffer;
-use crate::caching::{DeviceAllocator, PollTarget, Request};
+use crate::caching::{DeviceAllocator, Request};
 use crate::config::Config;
 use crate::elem::AnyBitPattern;
 use crate::error::{Error, Result};
@@ -86,16 +86,11 @@ fn make<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> Allo
 fn make_started<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext) -> (Allocator<K>, Result<()>) {
     env_settings();
     let s = Arc::new(shared(backend, config, ext));
-    let started = s
-        .core
-        .make_reserve()
-        .and_then(|()| s.core.start_background(PollTarget::Weak(Arc::downgrade(&s)), core_of::<K>));
-    (Allocator { shared: Handle::Owned(s) }, started)
-}
-
-/// Where the background event thread finds the allocator in its handle's shared part.
-fn core_of<K: Kind>(s: &Shared<K>) -> &DeviceAllocator {
-    &s.core
+    // Both are tried: a reserve that cannot be had does not switch the thread off.
+    let reserve = s.core.make_reserve();
+    // SAFETY: the allocator is inside the `Arc`, where it stays until it is dropped.
+    let background = unsafe { s.core.start_background() };
+    (Allocator { shared: Handle::Owned(s) }, reserve.and(background))
 }
 
 /// Per device: the allocator once made (read without a lock on every `mempool::alloc`), and a
@@ -141,7 +136,8 @@ fn process_wide(
     let s: &'static Shared<Cuda> = Box::leak(s);
     // Not started: the allocator still works (allocations process events); the error is
     // reported by its next fallible call, as the slot keeps the allocator.
-    if let Err(e) = s.core.start_background(PollTarget::Static(s), core_of::<Cuda>) {
+    // SAFETY: leaked: the allocator stays at this address for the rest of the process.
+    if let Err(e) = unsafe { s.core.start_background() } {
         s.core.keep_error(e);
     }
     let a = Allocator { shared: Handle::Static(s) };

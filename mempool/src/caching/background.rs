@@ -9,13 +9,15 @@
 //! queries, as an allocation did (`State::process_events`: an event is only queried under the
 //! lock, where no other thread can release it).
 //!
-//! The thread does not keep the allocator alive: it holds a `Weak` of the handle's shared part
-//! and takes a strong reference only for one look. The allocator's `Drop` stops it and joins
-//! it; a drop that happens on the thread itself (its look held the last reference) only stops
-//! it, and the thread ends as soon as the drop returns. The process-wide allocators live for
-//! the process, and so do their threads.
+//! The thread holds no reference to the allocator, so the allocator goes (and its `Drop` runs)
+//! on the thread that drops its last handle, as without the thread: it reaches the allocator
+//! through its address, and only inside the poller's gate, which the allocator's `Drop` closes
+//! before anything else (waiting for a look under way), then joins the thread. A look runs no
+//! user code (it lets the lock go without running the outbox: hook events it queued wait for
+//! the next call on the allocator), so nothing it does can drop the allocator or wait for the
+//! gate.
 
-use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -29,13 +31,17 @@ const BUSY_MAX: Duration = Duration::from_millis(1);
 /// How long the thread waits to be woken when nothing is pending before it looks anyway.
 const IDLE: Duration = Duration::from_millis(100);
 
-/// What the thread reaches its allocator through.
-pub(crate) enum PollTarget<S: 'static> {
-    /// An allocator that goes when its last handle does.
-    Weak(Weak<S>),
-    /// A process-wide allocator, never dropped.
-    Static(&'static S),
-}
+/// The allocator's address, for its thread (see the module's documentation).
+struct Target(*const DeviceAllocator);
+
+// SAFETY: the address is only followed inside the poller's gate, while the allocator (which is
+// `Sync`, checked below) is alive: its `Drop` closes the gate first.
+unsafe impl Send for Target {}
+
+const _: fn() = || {
+    fn sync<T: Sync>() {}
+    sync::<DeviceAllocator>();
+};
 
 /// The thread's controls, shared by the allocator and the thread.
 #[derive(Debug, Default)]
@@ -43,6 +49,9 @@ pub(super) struct Poller {
     wake: Mutex<Wake>,
     cv: Condvar,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Closed (true) by the allocator's `Drop`; the thread follows the allocator's address only
+    /// while holding it open.
+    gate: Mutex<bool>,
 }
 
 #[derive(Debug, Default)]
@@ -63,17 +72,17 @@ impl Poller {
         }
     }
 
-    /// Stops the thread and waits for it to end, unless this is that thread (it then ends once
-    /// the caller returns). Never panics.
+    /// Stops the thread and waits for it to end (a look under way first). Never panics.
     pub(super) fn stop(&self) {
+        *self.gate.lock().unwrap_or_else(PoisonError::into_inner) = true;
         self.wake.lock().unwrap_or_else(PoisonError::into_inner).stop = true;
         self.cv.notify_all();
         let handle = self.thread.lock().unwrap_or_else(PoisonError::into_inner).take();
         if let Some(h) = handle {
-            if h.thread().id() != std::thread::current().id() {
-                // The thread's own panic (there is none to expect) is not the dropper's.
-                let _ = h.join();
-            }
+            // The thread runs no user code and holds no handle, so this is never that thread.
+            debug_assert_ne!(h.thread().id(), std::thread::current().id());
+            // The thread's own panic (there is none to expect) is not the dropper's.
+            let _ = h.join();
         }
     }
 
@@ -94,35 +103,34 @@ impl DeviceAllocator {
         self.rounding.pinned_use_background_threads
     }
 
-    /// Starts the background thread (if the settings ask for it), reaching this allocator
-    /// through `target` (`core` finds it there). From then on allocations query no event.
-    /// Errors: the thread could not be started (the allocator then goes on without it).
-    pub(crate) fn start_background<S: Send + Sync + 'static>(
-        &self,
-        target: PollTarget<S>,
-        core: fn(&S) -> &DeviceAllocator,
-    ) -> Result<()> {
+    /// Starts the background thread (if the settings ask for it). From then on allocations
+    /// query no event. Errors: the thread could not be started (the allocator then goes on
+    /// without it).
+    ///
+    /// # Safety
+    /// `self` stays at this address until it is dropped (it is inside an `Arc`, or leaked): the
+    /// thread follows the address until `Drop` stops it.
+    pub(crate) unsafe fn start_background(&self) -> Result<()> {
         if !self.wants_background() || self.poller.get().is_some() {
             return Ok(());
         }
         let poller = Arc::new(Poller::default());
         let p = poller.clone();
+        let target = Target(self);
         // The name says which allocator it serves (Linux shows its first 15 bytes).
         let name = format!("mp-ev-{}", self.id.0);
         let spawned = std::thread::Builder::new().name(name).spawn(move || {
-            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&p, &target, core)));
+            let target = target;
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&p, &target)));
             if let Err(payload) = ran {
                 // Not expected (hooks' and pool allocators' panics are contained already); if
                 // it happens, the allocations process events again rather than leave freed
                 // blocks waiting for a thread that is gone.
                 std::mem::forget(payload);
-                match &target {
-                    PollTarget::Static(s) => core(s).lock().background = false,
-                    PollTarget::Weak(w) => {
-                        if let Some(s) = w.upgrade() {
-                            core(&s).lock().background = false;
-                        }
-                    }
+                let gate = p.gate.lock().unwrap_or_else(PoisonError::into_inner);
+                if !*gate {
+                    // SAFETY: the gate is open: the allocator is alive (see `Target`).
+                    unsafe { &*target.0 }.lock().background = false;
                 }
             }
         });
@@ -153,27 +161,26 @@ impl DeviceAllocator {
         }
         let after = st.pending.len() + st.foreign.len();
         let waiting = after != 0 && st.captures.is_empty();
-        self.unlock(st, false);
+        // Let go without running the outbox (no user code on this thread: see the module's
+        // documentation); what the look queued is delivered by the next call.
+        drop(st);
         (after < before, waiting)
     }
 }
 
 /// The thread's loop (see the module's documentation).
-fn run<S>(poller: &Poller, target: &PollTarget<S>, core: fn(&S) -> &DeviceAllocator) {
+fn run(poller: &Poller, target: &Target) {
     let mut delay = BUSY_MIN;
     let mut waiting = true;
     while poller.sleep(if waiting { delay } else { IDLE }) {
-        let (done, left) = match target {
-            PollTarget::Static(s) => core(s).poll_events(),
-            PollTarget::Weak(w) => {
-                let Some(s) = w.upgrade() else { return };
-                let r = core(&s).poll_events();
-                // May be the last reference: the allocator's `Drop` then runs here, stops this
-                // loop and returns.
-                drop(s);
-                r
-            }
-        };
+        let gate = poller.gate.lock().unwrap_or_else(PoisonError::into_inner);
+        if *gate {
+            return;
+        }
+        // SAFETY: the gate is open and held: the allocator is alive until it is let go (its
+        // `Drop` closes the gate first, waiting for this look).
+        let (done, left) = unsafe { &*target.0 }.poll_events();
+        drop(gate);
         waiting = left;
         delay = if done || !left { BUSY_MIN } else { (delay * 2).min(BUSY_MAX) };
     }

@@ -45,7 +45,6 @@ use crate::rules::is_small;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::stats::{MemoryStats, PoolStats};
 use crate::trace;
-pub(crate) use background::PollTarget;
 pub(crate) use state::{BlockIdx, PoolSpec};
 use state::{SegIdx, Slot, Source, State, Work};
 
@@ -1455,8 +1454,8 @@ impl DeviceAllocator {
 /// too (their addresses were only ever numbers to safe code).
 impl Drop for DeviceAllocator {
     fn drop(&mut self) {
-        // The background thread first: it holds no reference now (it would have kept the
-        // allocator alive), so it is asleep or about to find its `Weak` dead.
+        // The background thread first: its gate closed (a look under way finishes first), then
+        // joined; it follows this allocator's address only inside the gate.
         if let Some(p) = self.poller.get() {
             p.stop();
         }
