@@ -1357,17 +1357,59 @@ pub fn receive_message(
     sock: &std::os::unix::net::UnixStream,
     max_len: usize,
 ) -> std::io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
-    use std::io::Read;
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let mut fds = Vec::new();
     let mut len4 = [0u8; 4];
     let mut have = 0;
     while have < 4 {
-        let fd_bytes = MAX_FDS * std::mem::size_of::<std::ffi::c_int>();
-        // SAFETY: pure arithmetic on a length.
-        let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
-        let mut control = vec![0u64; space.div_ceil(8)];
-        let mut iov = libc::iovec { iov_base: len4[have..].as_mut_ptr().cast(), iov_len: 4 - have };
+        let before = fds.len();
+        let n = receive_some(sock, &mut len4[have..], &mut fds)?;
+        if n == 0 {
+            let what = if have == 0 { "the peer closed the socket" } else { "the peer closed the socket mid-message" };
+            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what));
+        }
+        if have > 0 && fds.len() > before {
+            return Err(std::io::Error::other("file descriptors came after the message's first bytes"));
+        }
+        have += n;
+    }
+    let len = u32::from_le_bytes(len4) as usize;
+    if len > max_len {
+        return Err(std::io::Error::other(format!("a message of {len} bytes (at most {max_len} expected)")));
+    }
+    let mut buf = vec![0u8; len];
+    let mut got = 0;
+    while got < len {
+        let before = fds.len();
+        let n = receive_some(sock, &mut buf[got..], &mut fds)?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the peer closed the socket mid-message",
+            ));
+        }
+        if fds.len() > before {
+            return Err(std::io::Error::other("file descriptors came after the message's first bytes"));
+        }
+        got += n;
+    }
+    Ok((buf, fds))
+}
+
+/// One `recvmsg` into `buf` (retried on EINTR), with room for [`MAX_FDS`] descriptors: those
+/// that come are owned at once (pushed to `fds`, so closed on any error). Returns the bytes
+/// read (0: the peer closed the socket). Error: descriptors cut short.
+fn receive_some(
+    sock: &std::os::unix::net::UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<std::os::fd::OwnedFd>,
+) -> std::io::Result<usize> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let fd_bytes = MAX_FDS * std::mem::size_of::<std::ffi::c_int>();
+    // SAFETY: pure arithmetic on a length.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    loop {
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
         // SAFETY: a plain C struct; all zeros is an empty message.
         let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
         msg.msg_iov = &mut iov;
@@ -1383,7 +1425,6 @@ pub fn receive_message(
             }
             return Err(e);
         }
-        // Every descriptor received is owned at once (closed on any error below).
         // SAFETY: walks the control messages the kernel wrote into `control` (`msg` says how
         // many bytes); each `SCM_RIGHTS` payload is an array of descriptors now open here.
         unsafe {
@@ -1403,23 +1444,8 @@ pub fn receive_message(
         if msg.msg_flags & libc::MSG_CTRUNC != 0 {
             return Err(std::io::Error::other(format!("more than {MAX_FDS} file descriptors: cut short")));
         }
-        if n == 0 {
-            let what = if have == 0 { "the peer closed the socket" } else { "the peer closed the socket mid-message" };
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what));
-        }
-        if have > 0 && !fds.is_empty() {
-            return Err(std::io::Error::other("file descriptors came after the message's first bytes"));
-        }
-        have += n as usize;
+        return Ok(n as usize);
     }
-    let len = u32::from_le_bytes(len4) as usize;
-    if len > max_len {
-        return Err(std::io::Error::other(format!("a message of {len} bytes (at most {max_len} expected)")));
-    }
-    let mut buf = vec![0u8; len];
-    // `read_exact` retries on EINTR; descriptors never come after the first bytes (`send`).
-    (&mut &*sock).read_exact(&mut buf)?;
-    Ok((buf, fds))
 }
 
 /// [`receive_handle`] and [`import_with_fds`]: the buffer another process [`send`]s, opened on

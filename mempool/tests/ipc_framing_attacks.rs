@@ -29,7 +29,7 @@ fn all_writers_closed(read: &OwnedFd) -> bool {
     n == 0
 }
 
-/// FINDING (low, wrong error): the descriptors come with the message's very first byte (so
+/// Was a finding (low, wrong error; fixed): the descriptors come with the message's very first byte (so
 /// "with the first bytes", as `send_message` frames it), but the sender's first write carried
 /// only that byte of the length prefix; the other three bytes follow in a second write (a
 /// sender in another language writing the prefix in pieces, or a `sendmsg` cut short).
@@ -38,7 +38,7 @@ fn all_writers_closed(read: &OwnedFd) -> bool {
 /// received so far, not at those of the latest read, so descriptors that came with byte 0 are
 /// blamed on the read of bytes 1..4.
 #[test]
-fn finding_fds_with_the_first_byte_and_the_prefix_split_are_accepted() {
+fn fds_with_the_first_byte_and_the_prefix_split_are_accepted() {
     let (tx, rx) = UnixStream::pair().unwrap();
     rx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let (r, w) = pipe();
@@ -61,7 +61,7 @@ fn finding_fds_with_the_first_byte_and_the_prefix_split_are_accepted() {
     }
 }
 
-/// FINDING (low, documented error not raised): `receive_message`'s documentation lists
+/// Was a finding (low, documented error not raised; fixed): `receive_message`'s documentation lists
 /// "descriptors that do not come with the first bytes" among its errors, but descriptors a
 /// sender attaches to the body (after the 4-byte prefix) are read past with a plain `read`
 /// (no control buffer): the kernel closes them and the call returns `Ok` with no descriptor,
@@ -69,7 +69,7 @@ fn finding_fds_with_the_first_byte_and_the_prefix_split_are_accepted() {
 /// earlier review held the leak half of this (`held_extra_or_late_fds_do_not_leak`); the error
 /// half is what the documentation promises.
 #[test]
-fn finding_descriptors_attached_to_the_body_are_an_error() {
+fn descriptors_attached_to_the_body_are_an_error() {
     let (tx, rx) = UnixStream::pair().unwrap();
     rx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let (r, w) = pipe();
