@@ -45,13 +45,15 @@
 //! device's work and unmaps them; another rank's memory stays alive as long as any rank maps it,
 //! so ranks may drop in any order.
 //!
-//! **Synchronisation.** [`put_signal`](SymmMemory::put_signal) writes 1 into a word of the
-//! destination's pad (`cuStreamWriteValue32`, ordered after the stream's earlier work, its
-//! writes included); [`wait_signal`](SymmMemory::wait_signal) makes the stream wait until the
-//! source's word in this rank's pad is 1 (`cuStreamWaitValue32`) and sets it back to 0, so pads
-//! are zero again after every protocol; [`barrier`](SymmMemory::barrier) signals every peer and
-//! waits for every peer. These queue stream work: a peer that never signals leaves the stream
-//! waiting.
+//! **Synchronisation.** Signals are counted in the pads: [`put_signal`](SymmMemory::put_signal)
+//! adds one to the destination's count for (this rank, channel), ordered after the stream's
+//! earlier work; [`wait_signal`](SymmMemory::wait_signal) makes the stream wait until the
+//! source has sent a signal this rank has not taken, and takes it (this rank keeps the count of
+//! those it took), so no signal is lost or merged however many come first, and every count is
+//! balanced again after every protocol; [`barrier`](SymmMemory::barrier) signals every peer and
+//! waits for every peer. Each is one small kernel launch on the stream. A peer that never
+//! signals leaves the stream waiting; [`barrier_timeout`](SymmMemory::barrier_timeout) and
+//! [`wait_signal_timeout`](SymmMemory::wait_signal_timeout) end the wait and name the ranks.
 //!
 //! **Multicast stays off**: nothing here creates a multicast object.
 
@@ -95,13 +97,16 @@ const KERNEL_BLOCKS: usize = 64;
 /// kernel become visible to the peers that acquire it); each rank copies every other rank's
 /// chunk (and the last rank's tail) into its own data; the barrier on words `+ 128`.
 ///
-/// `barrier_sync(const u64* pads, u32 world, u32 rank, u32 channel, u32 src, u64 timeout_ns,
-/// u32* status)`, one block: with `src == u32::MAX` (a barrier), thread `t` sets word
-/// `rank*16 + channel` (a channel of `put_signal`) of rank `t`'s pad, waits for word
-/// `t*16 + channel` of its own and clears it: the protocol of `put_signal` and `wait_signal`,
-/// in one launch; otherwise only thread `src` waits (`wait_signal`). With `timeout_ns > 0`, a
-/// wait that sees no signal for that long (`%globaltimer`) sets `status[t]` to 1 and ends,
-/// leaving the word as it is.
+/// `signal_sync(const u64* pads, u32 world, u32 rank, u32 channel, u32 peer, u32 mode,
+/// u64 timeout_ns, u32* status)`, one block; thread `t` serves peer `t` (every peer but this
+/// rank with `peer == u32::MAX`, else only `peer`). Signals are counted: with `mode & 1` the
+/// thread adds 1 to word `rank*16 + channel` of rank `t`'s pad (a reduction at system scope,
+/// which does not wait for an answer); with `mode & 2` it waits until word `t*16 + channel` of
+/// its own pad differs from its count of signals taken (word `(world + t)*16 + channel`, only
+/// this rank's), then counts one more taken. So a signal is never lost or merged, however many
+/// come before their waits, and a wait that gave up leaves nothing out of step. `put_signal` is
+/// mode 1, `wait_signal` 2, `barrier` 3. With `timeout_ns > 0`, a wait that sees no new signal
+/// for that long (`%globaltimer`) sets `status[t]` to 1 and ends.
 ///
 /// The signals are relaxed stores (system scope), with no fence before them: the first says
 /// "my data is ready", and that data was written by work that completed before this kernel
@@ -451,17 +456,18 @@ TC_DONE:
     ret;
 }
 
-.visible .entry barrier_sync(.param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank, .param .u32 p_channel,
-    .param .u32 p_src, .param .u64 p_timeout, .param .u64 p_status)
+.visible .entry signal_sync(.param .u64 p_pads, .param .u32 p_world, .param .u32 p_rank, .param .u32 p_channel,
+    .param .u32 p_peer, .param .u32 p_mode, .param .u64 p_timeout, .param .u64 p_status)
 {
-    .reg .pred %p<6>;
-    .reg .b32 %r<12>;
-    .reg .b64 %rd<14>;
+    .reg .pred %p<8>;
+    .reg .b32 %r<16>;
+    .reg .b64 %rd<16>;
     ld.param.u64 %rd1, [p_pads];
     ld.param.u32 %r1, [p_world];
     ld.param.u32 %r2, [p_rank];
     ld.param.u32 %r3, [p_channel];
-    ld.param.u32 %r10, [p_src];
+    ld.param.u32 %r10, [p_peer];
+    ld.param.u32 %r11, [p_mode];
     ld.param.u64 %rd8, [p_timeout];
     ld.param.u64 %rd9, [p_status];
     cvta.to.global.u64 %rd1, %rd1;
@@ -473,43 +479,53 @@ TC_DONE:
     setp.ne.u32 %p5, %r4, %r10;
     and.pred %p5, %p4, %p5;
     or.pred %p3, %p3, %p5;
-    @%p3 bra BAR_DONE;
+    @%p3 bra SIG_DONE;
     mov.u32 %r8, 1;
-    mov.u32 %r9, 0;
-    @%p4 bra BAR_WAIT;
+    and.b32 %r12, %r11, 1;
+    setp.eq.u32 %p6, %r12, 0;
+    @%p6 bra SIG_WAIT;
     mul.wide.u32 %rd2, %r4, 8;
     add.u64 %rd2, %rd1, %rd2;
     ld.global.u64 %rd3, [%rd2];
     mad.lo.u32 %r5, %r2, 16, %r3;
     mul.wide.u32 %rd4, %r5, 4;
     add.u64 %rd4, %rd3, %rd4;
-    st.relaxed.sys.global.u32 [%rd4], %r8;
-BAR_WAIT:
+    red.relaxed.sys.global.add.u32 [%rd4], %r8;
+SIG_WAIT:
+    and.b32 %r12, %r11, 2;
+    setp.eq.u32 %p6, %r12, 0;
+    @%p6 bra SIG_DONE;
     mul.wide.u32 %rd5, %r2, 8;
     add.u64 %rd5, %rd1, %rd5;
     ld.global.u64 %rd6, [%rd5];
     mad.lo.u32 %r6, %r4, 16, %r3;
     mul.wide.u32 %rd7, %r6, 4;
     add.u64 %rd7, %rd6, %rd7;
+    add.u32 %r9, %r1, %r4;
+    mad.lo.u32 %r9, %r9, 16, %r3;
+    mul.wide.u32 %rd13, %r9, 4;
+    add.u64 %rd13, %rd6, %rd13;
+    ld.global.u32 %r13, [%rd13];
     mov.u64 %rd10, %globaltimer;
-BAR_SPIN:
+SIG_SPIN:
     ld.acquire.sys.global.u32 %r7, [%rd7];
-    setp.ne.u32 %p1, %r7, 0;
-    @%p1 bra BAR_SEEN;
+    setp.ne.u32 %p1, %r7, %r13;
+    @%p1 bra SIG_SEEN;
     setp.eq.u64 %p2, %rd8, 0;
-    @%p2 bra BAR_SPIN;
+    @%p2 bra SIG_SPIN;
     mov.u64 %rd11, %globaltimer;
     sub.u64 %rd11, %rd11, %rd10;
     setp.lt.u64 %p2, %rd11, %rd8;
-    @%p2 bra BAR_SPIN;
+    @%p2 bra SIG_SPIN;
     cvta.to.global.u64 %rd9, %rd9;
     mul.wide.u32 %rd12, %r4, 4;
     add.u64 %rd12, %rd9, %rd12;
     st.global.u32 [%rd12], %r8;
-    bra BAR_DONE;
-BAR_SEEN:
-    st.relaxed.sys.global.u32 [%rd7], %r9;
-BAR_DONE:
+    bra SIG_DONE;
+SIG_SEEN:
+    add.u32 %r13, %r13, 1;
+    st.global.u32 [%rd13], %r13;
+SIG_DONE:
     ret;
 }
 \0";
@@ -520,7 +536,7 @@ struct Kernels {
     module: usize,
     one_shot: usize,
     two_shot: usize,
-    barrier: usize,
+    signal: usize,
     ptrs: mempool::Buffer<u64>,
     pads: mempool::Buffer<u64>,
 }
@@ -545,8 +561,6 @@ pub struct SymmMemory<T> {
     /// Where each rank's allocation is mapped in this process, for this rank's device.
     bases: Vec<u64>,
     kernels: std::sync::OnceLock<Kernels>,
-    /// A timed wait ran out: the signals are out of step, and every later one is refused.
-    broken: std::sync::atomic::AtomicBool,
     _elem: PhantomData<T>,
 }
 
@@ -671,27 +685,43 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
     stream: &Arc<CudaStream>,
     options: &SymmOptions,
 ) -> Result<SymmMemory<T>> {
+    // First: every rank counts this allocation, whatever happens next, so the names of later
+    // rendezvous stay in step.
+    let key = comm.next_rendezvous();
     let (rank, world, device) = (comm.rank(), comm.world_size(), comm.device());
     let ctx = comm.context().clone();
-    ctx.bind_to_thread().map_err(Error::cuda)?;
-    let data_bytes = len
-        .checked_mul(std::mem::size_of::<T>())
-        .and_then(|b| b.checked_next_multiple_of(128))
-        .ok_or_else(|| Error::Symmetric(format!("{len} elements overflow")))?;
-    let mut gran = 0usize;
-    let p = prop(device);
-    // SAFETY: out-parameter and a valid property struct.
-    cuda("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut gran,
-            &p,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
-        )
-    })?;
-    let pad = world * (CHANNELS + KERNEL_SLOTS) * 4;
-    let bytes = (data_bytes + pad).next_multiple_of(gran.max(1));
-    let layout = Layout { rank, world, device, bytes, data_bytes, pad };
-    let bases = match comm.next_rendezvous() {
+    // A size this rank cannot have still takes part in the exchange (as a rank that could not
+    // allocate), so every rank fails together rather than wait for it.
+    let pad = world * (2 * CHANNELS + KERNEL_SLOTS) * 4;
+    let sized = (|| -> std::result::Result<(usize, usize, usize), String> {
+        ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        let requested = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| format!("{len} elements of {} bytes overflow", std::mem::size_of::<T>()))?;
+        let mut gran = 0usize;
+        let p = prop(device);
+        // SAFETY: out-parameter and a valid property struct.
+        cuda("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut gran,
+                &p,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED,
+            )
+        })
+        .map_err(|e| e.to_string())?;
+        let data_bytes = requested.checked_next_multiple_of(128);
+        let bytes = data_bytes.and_then(|d| d.checked_add(pad)).and_then(|b| b.checked_next_multiple_of(gran.max(1)));
+        match (data_bytes, bytes) {
+            (Some(d), Some(b)) => Ok((requested, d, b)),
+            _ => Err(format!("{requested} bytes and the signal pad overflow")),
+        }
+    })();
+    let (requested, data_bytes, bytes) = match &sized {
+        Ok(v) => *v,
+        Err(_) => (usize::MAX, 0, 0),
+    };
+    let layout = Layout { rank, world, device, requested, bytes, data_bytes, pad, local: sized.err() };
+    let bases = match key {
         None => rendezvous_in_process(comm, &layout, stream)?,
         Some(key) => rendezvous_across_processes(key, &layout, stream, options.timeout)?,
     };
@@ -704,19 +734,22 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
         bytes,
         bases,
         kernels: std::sync::OnceLock::new(),
-        broken: std::sync::atomic::AtomicBool::new(false),
         _elem: PhantomData,
     })
 }
 
-/// What every rank allocates: `bytes` (data, then the pad), on `device`.
+/// What every rank allocates: `bytes` (data, then the pad), on `device`, for `requested`
+/// bytes of data; or why this rank cannot (`local`: it takes part in the exchange all the same,
+/// as a rank that could not allocate).
 struct Layout {
     rank: usize,
     world: usize,
     device: usize,
+    requested: usize,
     bytes: usize,
     data_bytes: usize,
     pad: usize,
+    local: Option<String>,
 }
 
 /// A physical allocation's handle, released when dropped (its mappings keep the memory).
@@ -756,22 +789,30 @@ fn rendezvous_in_process(comm: &Communicator, l: &Layout, stream: &Arc<CudaStrea
     let (rank, world, bytes) = (l.rank, l.world, l.bytes);
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     let p = prop(l.device);
-    // SAFETY: out-parameter; a valid property struct for this device.
-    let made = cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &p, 0) });
+    let made = match &l.local {
+        Some(why) => Err(Error::Symmetric(format!("rank {rank}: {why}"))),
+        // SAFETY: out-parameter; a valid property struct for this device.
+        None => cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &p, 0) }),
+    };
     let own = Handle(if made.is_ok() { handle } else { 0 });
-    // Every rank learns every rank's (process, size, handle, device, made) before anyone maps.
-    let mine = [u64::from(std::process::id()), bytes as u64, own.0, l.device as u64, u64::from(made.is_ok())];
+    // Every rank learns every rank's (process, bytes asked for, handle, device, made, bytes
+    // allocated) before anyone maps.
+    let mine = [
+        u64::from(std::process::id()),
+        l.requested as u64,
+        own.0,
+        l.device as u64,
+        u64::from(made.is_ok()),
+        bytes as u64,
+    ];
     let all = gather(comm, &mine, stream)?;
-    let field = |r: usize, k: usize| all[5 * r + k];
+    let field = |r: usize, k: usize| all[6 * r + k];
     let failure = if let Some(r) = (0..world).find(|&r| field(r, 4) == 0) {
         Some(format!("rank {r} could not allocate its memory"))
     } else if (0..world).any(|r| field(r, 0) != field(0, 0)) {
         Some("the ranks of a communicator made by all_local are in several processes".into())
-    } else if (0..world).any(|r| field(r, 1) != bytes as u64) {
-        let sizes: Vec<u64> = (0..world).map(|r| field(r, 1)).collect();
-        Some(format!("every rank must ask for the same size; the ranks' allocations are {sizes:?} bytes"))
     } else {
-        None
+        same_sizes((0..world).map(|r| (field(r, 1), field(r, 5))))
     };
     if let Some(why) = failure {
         made?;
@@ -807,6 +848,22 @@ fn rendezvous_in_process(comm: &Communicator, l: &Layout, stream: &Arc<CudaStrea
     }
 }
 
+/// Why ranks with these (bytes asked for, bytes allocated) cannot share an allocation, if they
+/// cannot: every rank must ask for the same bytes (and so put its pad at the same offset), and
+/// allocate the same (devices of one granularity).
+fn same_sizes(sizes: impl Iterator<Item = (u64, u64)>) -> Option<String> {
+    let sizes: Vec<(u64, u64)> = sizes.collect();
+    if sizes.iter().any(|s| s.0 != sizes[0].0) {
+        let asked: Vec<u64> = sizes.iter().map(|s| s.0).collect();
+        return Some(format!("every rank must ask for the same size; the ranks ask for {asked:?} bytes"));
+    }
+    if sizes.iter().any(|s| s.1 != sizes[0].1) {
+        let made: Vec<u64> = sizes.iter().map(|s| s.1).collect();
+        return Some(format!("the ranks' allocations differ ({made:?} bytes): devices of different granularity"));
+    }
+    None
+}
+
 /// The first word of every rendezvous message, then its round.
 const MAGIC: u64 = u64::from_le_bytes(*b"mpsymm01");
 
@@ -828,6 +885,7 @@ fn words(data: &[u8], round: u64, n: usize) -> std::result::Result<Vec<u64>, Str
 struct Peer {
     pid: u64,
     bytes: u64,
+    requested: u64,
     made: bool,
     handle: u64,
     fd: Option<OwnedFd>,
@@ -868,8 +926,11 @@ fn rendezvous_across_processes(
     let mut p = prop(l.device);
     p.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     let mut raw = 0;
-    // SAFETY: out-parameter; a valid property struct for this device.
-    let made = cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut raw, bytes, &p, 0) });
+    let made = match &l.local {
+        Some(why) => Err(Error::Symmetric(why.clone())),
+        // SAFETY: out-parameter; a valid property struct for this device.
+        None => cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut raw, bytes, &p, 0) }),
+    };
     let own = Handle(if made.is_ok() { raw } else { 0 });
     let fd = made.and_then(|()| {
         let mut fd: std::ffi::c_int = -1;
@@ -890,7 +951,17 @@ fn rendezvous_across_processes(
         .and_then(|s| s.set_nonblocking(true).map(|()| s))
         .map_err(|e| fail(format!("could not open its rendezvous socket {}: {e}", name(rank))))?;
     // Round 1, out: to every other rank, as soon as it listens.
-    let first = message(&[MAGIC, 1, rank as u64, pid, bytes as u64, l.device as u64, u64::from(fd.is_ok()), own.0]);
+    let first = message(&[
+        MAGIC,
+        1,
+        rank as u64,
+        pid,
+        bytes as u64,
+        l.device as u64,
+        u64::from(fd.is_ok()),
+        own.0,
+        l.requested as u64,
+    ]);
     let mut out: Vec<Option<UnixStream>> = (0..world).map(|_| None).collect();
     for q in (0..world).filter(|&q| q != rank) {
         let conn = loop {
@@ -935,10 +1006,10 @@ fn rendezvous_across_processes(
         let got = conn
             .set_nonblocking(false)
             .and_then(|()| conn.set_read_timeout(Some(wait)))
-            .and_then(|()| mempool::ipc::receive_message(&conn, 64))
+            .and_then(|()| mempool::ipc::receive_message(&conn, 128))
             .map_err(|e| fail(format!("reading a peer's first message: {e}")))?;
         let (data, fds) = got;
-        let w = words(&data, 1, 6).map_err(fail)?;
+        let w = words(&data, 1, 7).map_err(fail)?;
         let q = w[0] as usize;
         if q >= world || q == rank || peers[q].is_some() {
             return Err(fail(format!("a first message from rank {q}, which is not a peer still to hear from")));
@@ -948,8 +1019,8 @@ fn rendezvous_across_processes(
             Ok((p, _)) if u64::from(p) == w[1] => {}
             _ => return Err(fail(format!("rank {q}'s first message names a process other than the one that sent it"))),
         }
-        peers[q] =
-            Some(Peer { pid: w[1], bytes: w[2], made: w[4] != 0, handle: w[5], fd: fds.into_iter().next(), conn });
+        let fd = fds.into_iter().next();
+        peers[q] = Some(Peer { pid: w[1], bytes: w[2], made: w[4] != 0, handle: w[5], requested: w[6], fd, conn });
         heard += 1;
     }
     // Every rank has every rank's figures: every rank reaches the same verdict.
@@ -960,11 +1031,10 @@ fn rendezvous_across_processes(
             _ => fail(format!("rank {q} could not allocate its memory")),
         });
     }
-    let sizes: Vec<u64> = (0..world).map(|q| figure(q, &|p| p.bytes, bytes as u64)).collect();
-    if sizes.iter().any(|&b| b != bytes as u64) {
-        return Err(Error::Symmetric(format!(
-            "every rank must ask for the same size; the ranks' allocations are {sizes:?} bytes"
-        )));
+    let sizes =
+        (0..world).map(|q| (figure(q, &|p| p.requested, l.requested as u64), figure(q, &|p| p.bytes, bytes as u64)));
+    if let Some(why) = same_sizes(sizes) {
+        return Err(Error::Symmetric(why));
     }
     let mut mapped = Mapped { bases: Vec::with_capacity(world), bytes };
     let mut failed = None;
@@ -1062,18 +1132,15 @@ impl<T> SymmMemory<T> {
         self.bases.clone()
     }
 
-    /// Every rank's signal pad (`world_size × CHANNELS` 32-bit words: rank `r`'s signal on
-    /// channel `c` to the pad's owner is word `r * CHANNELS + c`).
+    /// Every rank's signal pad: `world_size × CHANNELS` 32-bit words counting the signals rank
+    /// `r` sent its owner on channel `c` (word `r * CHANNELS + c`), then as many counting those
+    /// the owner took (word `(world_size + r) * CHANNELS + c`): equal when every signal was
+    /// taken. The kernels' own words follow.
     pub fn signal_pad_ptrs(&self) -> Vec<u64> {
         self.bases.iter().map(|b| b + self.data_bytes as u64).collect()
     }
 
     fn check(&self, rank: usize, channel: usize, stream: &CudaStream) -> Result<()> {
-        if self.broken.load(std::sync::atomic::Ordering::Relaxed) {
-            return Err(Error::Symmetric(
-                "a timed wait on this allocation ran out: its signals are out of step; drop it".into(),
-            ));
-        }
         if rank >= self.world {
             return Err(Error::InvalidRank { rank, world_size: self.world });
         }
@@ -1090,31 +1157,27 @@ impl<T> SymmMemory<T> {
         Ok(())
     }
 
-    fn word(&self, owner: usize, from: usize, channel: usize) -> u64 {
-        self.bases[owner] + self.data_bytes as u64 + ((from * CHANNELS + channel) * 4) as u64
-    }
-
-    /// Queues on `stream`: after its earlier work, rank `dst`'s pad word for (this rank,
-    /// `channel`) becomes 1.
-    pub fn put_signal(&self, dst: usize, channel: usize, stream: &CudaStream) -> Result<()> {
+    /// Queues on `stream`: after its earlier work, one more signal to rank `dst` on `channel`
+    /// (counted in `dst`'s pad: signals are never merged). One kernel launch.
+    pub fn put_signal(&self, dst: usize, channel: usize, stream: &Arc<CudaStream>) -> Result<()> {
         self.check(dst, channel, stream)?;
-        self.ctx.bind_to_thread().map_err(Error::cuda)?;
-        // SAFETY: a word of `dst`'s pad, mapped for this device; a live stream of this context.
-        cuda("cuStreamWriteValue32", unsafe {
-            sys::cuStreamWriteValue32_v2(stream.cu_stream(), self.word(dst, self.rank, channel), 1, 0)
-        })
+        self.not_self(dst)?;
+        self.sync_kernel(channel, Some(dst), 1, 0, 0, stream)
     }
 
-    /// Queues on `stream`: wait until rank `src` signalled on `channel`, then clear the word.
-    pub fn wait_signal(&self, src: usize, channel: usize, stream: &CudaStream) -> Result<()> {
+    /// Queues on `stream`: wait until rank `src` sent a signal on `channel` that this rank has
+    /// not taken yet, and take it. One kernel launch.
+    pub fn wait_signal(&self, src: usize, channel: usize, stream: &Arc<CudaStream>) -> Result<()> {
         self.check(src, channel, stream)?;
-        self.ctx.bind_to_thread().map_err(Error::cuda)?;
-        let w = self.word(self.rank, src, channel);
-        let eq = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_EQ as u32;
-        // SAFETY: a word of this rank's own pad, mapped for this device; a live stream.
-        cuda("cuStreamWaitValue32", unsafe { sys::cuStreamWaitValue32_v2(stream.cu_stream(), w, 1, eq) })?;
-        // SAFETY: as above.
-        cuda("cuStreamWriteValue32", unsafe { sys::cuStreamWriteValue32_v2(stream.cu_stream(), w, 0, 0) })
+        self.not_self(src)?;
+        self.sync_kernel(channel, Some(src), 2, 0, 0, stream)
+    }
+
+    fn not_self(&self, peer: usize) -> Result<()> {
+        if peer == self.rank {
+            return Err(Error::Symmetric(format!("rank {peer} signals itself")));
+        }
+        Ok(())
     }
 
     /// The device address of an array of [`world_size`](Self::world_size) `u64`: every rank's
@@ -1139,22 +1202,21 @@ impl<T> SymmMemory<T> {
     /// every rank's work queued before its barrier is done, its writes visible to every rank.
     pub fn barrier(&self, channel: usize, stream: &Arc<CudaStream>) -> Result<()> {
         self.check(self.rank, channel, stream)?;
-        self.sync_kernel(channel, None, 0, 0, stream)
+        self.sync_kernel(channel, None, 3, 0, 0, stream)
     }
 
     /// [`barrier`](Self::barrier), waiting at most `timeout` for each rank, and for the barrier
     /// itself: this call returns once the stream's work up to the barrier is done. Errors name
-    /// the ranks that did not arrive in time; the signals of this allocation are then out of
-    /// step (a late rank's signal is left in the pad), so every later signal, barrier or kernel
-    /// on it is refused: drop it.
+    /// the ranks that did not arrive in time (a late rank's signal is counted when it comes: a
+    /// later wait on the channel takes it).
     pub fn barrier_timeout(&self, channel: usize, timeout: Duration, stream: &Arc<CudaStream>) -> Result<()> {
         self.check(self.rank, channel, stream)?;
-        self.timed_wait(channel, None, timeout, stream)
+        self.timed(channel, None, 3, timeout, stream)
     }
 
     /// [`wait_signal`](Self::wait_signal), waiting at most `timeout`; returns once the stream's
-    /// work up to the wait is done. Error: rank `src` did not signal in time (the allocation's
-    /// signals are then out of step, as with [`barrier_timeout`](Self::barrier_timeout)).
+    /// work up to the wait is done. Error: rank `src` did not signal in time (if it signals
+    /// later, the next wait on the channel takes that signal).
     pub fn wait_signal_timeout(
         &self,
         src: usize,
@@ -1163,24 +1225,24 @@ impl<T> SymmMemory<T> {
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
         self.check(src, channel, stream)?;
-        if src == self.rank {
-            return Err(Error::Symmetric(format!("rank {src} waits for a signal from itself")));
-        }
-        self.timed_wait(channel, Some(src), timeout, stream)
+        self.not_self(src)?;
+        self.timed(channel, Some(src), 2, timeout, stream)
     }
 
-    fn timed_wait(
+    fn timed(
         &self,
         channel: usize,
-        src: Option<usize>,
+        peer: Option<usize>,
+        mode: u32,
         timeout: Duration,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
         let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1);
         let status = stream.alloc_zeros::<u32>(self.world).map_err(Error::cuda)?;
-        let (ptr, _sync) = status.device_ptr(stream);
-        self.sync_kernel(channel, src, ns, ptr, stream)?;
-        drop(_sync);
+        {
+            let (ptr, _sync) = status.device_ptr(stream);
+            self.sync_kernel(channel, peer, mode, ns, ptr, stream)?;
+        }
         let late: Vec<usize> = stream
             .clone_dtoh(&status)
             .map_err(Error::cuda)?
@@ -1192,49 +1254,51 @@ impl<T> SymmMemory<T> {
         if late.is_empty() {
             return Ok(());
         }
-        self.broken.store(true, std::sync::atomic::Ordering::Relaxed);
-        let what = if src.is_some() { "signal" } else { "reach the barrier" };
+        let what = if mode == 2 { "signal" } else { "reach the barrier" };
         Err(Error::Symmetric(format!(
-            "rank {}: rank(s) {late:?} did not {what} on channel {channel} within {timeout:?}; this allocation's \
-             signals are out of step now: drop it",
+            "rank {}: rank(s) {late:?} did not {what} on channel {channel} within {timeout:?}",
             self.rank
         )))
     }
 
-    /// Launches the barrier kernel: every peer (`src: None`) or one, with a timeout (0: none)
-    /// reported in `status` (a device array of `world` u32, or 0).
+    /// Launches the signal kernel: for every peer (`peer: None`) or one, signal (`mode & 1`)
+    /// and wait (`mode & 2`), with a timeout (0: none) reported in `status` (a device array of
+    /// `world` u32, or 0).
     fn sync_kernel(
         &self,
         channel: usize,
-        src: Option<usize>,
+        peer: Option<usize>,
+        mode: u32,
         timeout_ns: u64,
         status: u64,
         stream: &Arc<CudaStream>,
     ) -> Result<()> {
         if self.world > 1024 {
-            return Err(Error::Symmetric("the barrier kernel serves at most 1,024 ranks".into()));
+            return Err(Error::Symmetric("the signal kernel serves at most 1,024 ranks".into()));
         }
         let k = self.kernels(stream)?;
         let (mut p_pads, mut p_world, mut p_rank, mut p_channel) =
             (k.pads.device_ptr_raw(), self.world as u32, self.rank as u32, channel as u32);
-        let (mut p_src, mut p_timeout, mut p_status) = (src.map_or(u32::MAX, |s| s as u32), timeout_ns, status);
-        let mut params: [*mut std::ffi::c_void; 7] = [
+        let (mut p_peer, mut p_mode, mut p_timeout, mut p_status) =
+            (peer.map_or(u32::MAX, |s| s as u32), mode, timeout_ns, status);
+        let mut params: [*mut std::ffi::c_void; 8] = [
             (&mut p_pads as *mut u64).cast(),
             (&mut p_world as *mut u32).cast(),
             (&mut p_rank as *mut u32).cast(),
             (&mut p_channel as *mut u32).cast(),
-            (&mut p_src as *mut u32).cast(),
+            (&mut p_peer as *mut u32).cast(),
+            (&mut p_mode as *mut u32).cast(),
             (&mut p_timeout as *mut u64).cast(),
             (&mut p_status as *mut u64).cast(),
         ];
-        // SAFETY: barrier_sync takes (const u64* pads, u32 world, u32 rank, u32 channel, u32 src,
-        // u64 timeout_ns, u32* status), the seven parameters above: `pads` holds every rank's
-        // pad address (mapped for this device), each with the words `r*CHANNELS + channel`
-        // (`channel < CHANNELS`, checked by the callers) it uses; `src` is a rank other than
-        // this one, or u32::MAX; `status` is 0 with no timeout, else `world` u32 of this device
-        // alive until the kernel is done (the callers read it back, which waits for it); one
-        // block of at least `world` threads.
-        unsafe { self.launch(k.barrier, 1, (self.world as u32).next_multiple_of(32), stream, &mut params) }
+        // SAFETY: signal_sync takes (const u64* pads, u32 world, u32 rank, u32 channel, u32 peer,
+        // u32 mode, u64 timeout_ns, u32* status), the eight parameters above: `pads` holds every
+        // rank's pad address (mapped for this device), each with the words `r*CHANNELS +
+        // channel` (`channel < CHANNELS`, checked by the callers) it uses; `peer` is a rank other
+        // than this one, or u32::MAX; `status` is 0 with no timeout, else `world` u32 of this
+        // device alive until the kernel is done (the callers read it back, which waits for it);
+        // one block of at least `world` threads.
+        unsafe { self.launch(k.signal, 1, (self.world as u32).next_multiple_of(32), stream, &mut params) }
     }
 
     fn kernels(&self, stream: &Arc<CudaStream>) -> Result<&Kernels> {
@@ -1258,14 +1322,14 @@ impl<T> SymmMemory<T> {
         };
         let one_shot = func(c"one_shot_sync_f32").map_err(unload)?;
         let two_shot = func(c"two_shot_sync_f32").map_err(unload)?;
-        let barrier = func(c"barrier_sync").map_err(unload)?;
+        let signal = func(c"signal_sync").map_err(unload)?;
         let alloc = mempool::Allocator::cuda(self.ctx.ordinal()).map_err(|e| unload(e.into()))?;
         let mut ptrs = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
         stream.memcpy_htod(&self.bases, &mut ptrs).map_err(|e| unload(Error::cuda(e)))?;
         let mut pads = alloc.alloc::<u64>(self.world).map_err(|e| unload(e.into()))?;
         stream.memcpy_htod(&self.signal_pad_ptrs(), &mut pads).map_err(|e| unload(Error::cuda(e)))?;
         stream.synchronize().map_err(|e| unload(Error::cuda(e)))?;
-        let made = Kernels { module: module as usize, one_shot, two_shot, barrier, ptrs, pads };
+        let made = Kernels { module: module as usize, one_shot, two_shot, signal, ptrs, pads };
         if let Err(lost) = self.kernels.set(made) {
             // Another thread made them meanwhile: these go.
             // SAFETY: the module this call loaded, never launched from, unloaded once.
@@ -1345,7 +1409,7 @@ impl SymmMemory<f32> {
             k.pads.device_ptr_raw(),
             self.world as u32,
             self.rank as u32,
-            (self.world * CHANNELS) as u32,
+            (2 * self.world * CHANNELS) as u32,
             v,
             cv,
             self.len as u64 % 4,
@@ -1390,7 +1454,34 @@ impl SymmMemory<f32> {
             return Err(Error::Symmetric("the one-shot kernel serves at most 1,024 ranks".into()));
         }
         let k = self.kernels(stream)?;
+        self.ctx.bind_to_thread().map_err(Error::cuda)?;
         let (out_ptr, _sync) = out.device_ptr_mut(stream);
+        // The kernel writes `out` through this device's addresses: memory of another device
+        // (a peer's buffer, or its symmetric data through `peer`) is refused.
+        let mut ordinal: i32 = -1;
+        // SAFETY: out-parameter of the attribute's type (an int); any address may be asked about.
+        let asked = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                out_ptr,
+            )
+        };
+        match usize::try_from(ordinal) {
+            Ok(d) if asked == CUresult::CUDA_SUCCESS && d == self.ctx.ordinal() => {}
+            Ok(found) if asked == CUresult::CUDA_SUCCESS => {
+                return Err(Error::WrongDevice {
+                    what: "one_shot_all_reduce's output",
+                    expected: self.ctx.ordinal(),
+                    found,
+                })
+            }
+            _ => {
+                return Err(Error::Symmetric(format!(
+                    "one_shot_all_reduce's output ({out_ptr:#x}) is not memory the driver knows ({asked:?})"
+                )))
+            }
+        }
         // Written once by a copy that completed (`kernels` synchronises it): raw addresses, no
         // ordering with their own stream needed.
         let (ptrs, pads) = (k.ptrs.device_ptr_raw(), k.pads.device_ptr_raw());
@@ -1402,7 +1493,7 @@ impl SymmMemory<f32> {
             pads,
             self.world as u32,
             self.rank as u32,
-            (self.world * CHANNELS) as u32,
+            (2 * self.world * CHANNELS) as u32,
             out_ptr,
             self.len as u64,
             n4,
@@ -1418,8 +1509,9 @@ impl SymmMemory<f32> {
             (&mut p_n4 as *mut u64).cast(),
         ];
         let threads = self.threads();
-        let work = (n4 as usize).max(self.len - 4 * n4 as usize);
-        let blocks = (work.div_ceil(threads as usize) as u32).clamp(1, KERNEL_BLOCKS as u32);
+        // From the length alone: the barriers pair block `b` of every rank, so every rank
+        // launches the same grid whatever its `out` (aligned or not).
+        let blocks = (self.len.div_ceil(4).div_ceil(threads as usize) as u32).clamp(1, KERNEL_BLOCKS as u32);
         // SAFETY: one_shot_sync_f32 takes (const u64* ptrs, const u64* pads, u32 world, u32 rank,
         // u32 base, float* out, u64 n, u64 n4), the eight parameters above: `ptrs` holds `world`
         // addresses, each the start of a mapping (so 16-byte aligned) of `len` floats this

@@ -579,14 +579,35 @@ fn symm_rank_checks(comm: &Communicator) -> usize {
                 symm.wait_signal_timeout(0, 6, Duration::from_secs(20), &stream).unwrap();
             }
         }
+        // Two signals in a row before any wait: the second waits for the first to be taken, so
+        // neither is lost (both waits return).
+        if world >= 2 && rank < 2 {
+            if rank == 0 {
+                symm.put_signal(1, 8, &stream).unwrap();
+                symm.put_signal(1, 8, &stream).unwrap();
+            } else {
+                std::thread::sleep(Duration::from_millis(50));
+                symm.wait_signal_timeout(0, 8, Duration::from_secs(20), &stream).unwrap();
+                symm.wait_signal_timeout(0, 8, Duration::from_secs(20), &stream).unwrap();
+            }
+            stream.synchronize().unwrap();
+        }
+        // A wait that times out names the silent rank; the signal that comes later is taken by
+        // the next wait (nothing is left out of step).
         let lone = symm_empty::<u8>(comm, 64, &stream).unwrap();
-        if rank == 1 {
-            let t = Instant::now();
-            let e = lone.wait_signal_timeout(0, 7, Duration::from_millis(300), &stream).unwrap_err().to_string();
-            assert!(e.contains("rank(s) [0] did not signal on channel 7"), "{e}");
-            assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
-            let e = lone.barrier(0, &stream).unwrap_err().to_string();
-            assert!(e.contains("out of step"), "{e}");
+        if world >= 2 && rank < 2 {
+            if rank == 1 {
+                let t = Instant::now();
+                let e = lone.wait_signal_timeout(0, 7, Duration::from_millis(300), &stream).unwrap_err().to_string();
+                assert!(e.contains("rank(s) [0] did not signal on channel 7"), "{e}");
+                assert!(t.elapsed() >= Duration::from_millis(300), "{:?}", t.elapsed());
+                lone.put_signal(0, 9, &stream).unwrap(); // "I gave up"
+                lone.wait_signal_timeout(0, 7, Duration::from_secs(20), &stream).unwrap();
+            } else {
+                lone.wait_signal(1, 9, &stream).unwrap();
+                lone.put_signal(1, 7, &stream).unwrap(); // the late signal
+            }
+            lone.barrier_timeout(0, Duration::from_secs(20), &stream).unwrap();
         }
         assert!(symm.wait_signal_timeout(rank, 0, Duration::from_secs(1), &stream).is_err(), "from itself");
         stream.synchronize().unwrap();
@@ -651,13 +672,15 @@ fn symm_rank_checks(comm: &Communicator) -> usize {
         }
         stream.synchronize().unwrap();
         let pad = symm.signal_pad_ptrs()[rank];
-        let mut words = vec![1u32; world * CHANNELS];
+        let mut words = vec![1u32; 2 * world * CHANNELS];
         comm.context().bind_to_thread().unwrap();
-        // SAFETY: reads this rank's own pad (`world * CHANNELS` words, mapped for this device)
-        // into `words`, which has room for them; the stream's work is done.
+        // SAFETY: reads this rank's own pad's counts (`2 * world * CHANNELS` words, mapped for
+        // this device) into `words`, which has room for them; the stream's work is done.
         let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(words.as_mut_ptr().cast(), pad, words.len() * 4) };
         assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
-        assert!(words.iter().all(|&w| w == 0), "rank {rank}'s pad is zero again: {words:?}");
+        let (sent, taken) = words.split_at(world * CHANNELS);
+        assert_eq!(sent, taken, "rank {rank}: every signal sent to it was taken");
+        assert!(sent.iter().any(|&w| w > 0), "rank {rank}: signals were counted");
         // Bad input: a rank or channel out of range.
         assert!(symm.put_signal(world, 0, &stream).is_err());
         assert!(symm.wait_signal(0, CHANNELS, &stream).is_err());

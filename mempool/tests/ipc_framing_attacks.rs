@@ -1,7 +1,7 @@
 //! Hostile-review probes (issue 18 review) of the public framing of `mempool::ipc`:
 //! `send_message` / `receive_message`, fed by hostile senders (raw `sendmsg` with `SCM_RIGHTS`)
 //! over `UnixStream::pair()`. No GPU needed. Each test asserts what the documentation of
-//! `receive_message` promises; the `finding_*` ones fail today.
+//! `receive_message` promises; those named for a review finding failed before its fix.
 
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
