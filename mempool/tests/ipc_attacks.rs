@@ -6,14 +6,14 @@
 //! `buffer_mut`.)
 
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use mempool::ipc::{self, IpcHandle};
 
 mod common;
-use common::sock::sendmsg_raw;
+use common::sock::{all_writers_closed, pipe, sendmsg_raw};
 
 const MAGIC: [u8; 8] = *b"MPIPC\x00\x00\x02";
 /// The fixed part of `IpcHandle::to_bytes`.
@@ -48,24 +48,6 @@ fn framed(handle: &[u8]) -> Vec<u8> {
     let mut m = (handle.len() as u32).to_le_bytes().to_vec();
     m.extend_from_slice(handle);
     m
-}
-
-/// A pipe: (read end, non-blocking; write end). Every copy of the write end that is sent and
-/// then leaked keeps the read end from seeing end-of-file.
-fn pipe() -> (OwnedFd, OwnedFd) {
-    let mut p = [0; 2];
-    // SAFETY: `p` has room for the two descriptors.
-    assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) }, 0);
-    // SAFETY: the two descriptors `pipe2` just opened, owned here alone.
-    unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) }
-}
-
-/// Whether every copy of the pipe's write end is closed (the read end sees end-of-file).
-fn all_writers_closed(read: &OwnedFd) -> bool {
-    let mut b = [0u8; 1];
-    // SAFETY: reads at most one byte into `b`.
-    let n = unsafe { libc::read(read.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
-    n == 0
 }
 
 fn dups(fd: &OwnedFd, n: usize) -> Vec<OwnedFd> {

@@ -3,31 +3,14 @@
 //! over `UnixStream::pair()`. No GPU needed. Each test asserts what the documentation of
 //! `receive_message` promises; those named for a review finding failed before its fix.
 
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use mempool::ipc;
 
 mod common;
-use common::sock::sendmsg_raw;
-
-/// A pipe: (read end, non-blocking; write end).
-fn pipe() -> (OwnedFd, OwnedFd) {
-    let mut p = [0; 2];
-    // SAFETY: `p` has room for the two descriptors.
-    assert_eq!(unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC | libc::O_NONBLOCK) }, 0);
-    // SAFETY: the two descriptors `pipe2` just opened, owned here alone.
-    unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) }
-}
-
-/// Whether every copy of the pipe's write end is closed (the read end sees end-of-file).
-fn all_writers_closed(read: &OwnedFd) -> bool {
-    let mut b = [0u8; 1];
-    // SAFETY: reads at most one byte into `b`.
-    let n = unsafe { libc::read(read.as_raw_fd(), b.as_mut_ptr().cast(), 1) };
-    n == 0
-}
+use common::sock::{all_writers_closed, pipe, sendmsg_raw};
 
 /// Was a finding (low, wrong error; fixed): the descriptors come with the message's very first byte (so
 /// "with the first bytes", as `send_message` frames it), but the sender's first write carried

@@ -5,21 +5,14 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::check_invariants;
+use common::{check_invariants, eventually, pinned_sim};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, BlockState, Config, Error, Sim};
 
 const BASE: u64 = SimDevice::BASE;
 const MIB: usize = 1 << 20;
-
-fn pinned_sim(capacity: usize, conf: &str) -> (Arc<SimDevice>, Allocator<Sim>) {
-    let sim = SimDevice::pinned(capacity);
-    let config = Config::parse(conf).expect("a valid config");
-    (sim.clone(), Allocator::sim_with(sim, config))
-}
 
 fn reserved(a: &Allocator<Sim>) -> i64 {
     a.memory_stats().reserved_bytes.all.current
@@ -30,18 +23,6 @@ fn blocks_at(a: &Allocator<Sim>, addr: u64) -> Vec<(u64, usize, BlockState)> {
     let snap = a.snapshot();
     let seg = snap.segments.iter().find(|s| s.address == addr).expect("a segment at that address");
     seg.blocks.iter().map(|b| (b.address - addr, b.size, b.state)).collect()
-}
-
-/// Waits (at most 10 s) until `cond` holds, looking every millisecond; whether it did.
-fn eventually(mut cond: impl FnMut() -> bool) -> bool {
-    let since = Instant::now();
-    while since.elapsed() < Duration::from_secs(10) {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    cond()
 }
 
 /// The background thread of allocator `a` as Linux names it (`/proc/self/task/*/comm`, the

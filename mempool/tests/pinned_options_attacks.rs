@@ -6,30 +6,12 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::check_invariants;
-use mempool::sim::SimDevice;
-use mempool::{trace, Allocator, Config, Sim};
+use common::{check_invariants, eventually, pinned_sim};
+use mempool::{trace, Allocator, Sim};
 
 const MIB: usize = 1 << 20;
-
-fn pinned_sim(capacity: usize, conf: &str) -> (Arc<SimDevice>, Allocator<Sim>) {
-    let sim = SimDevice::pinned(capacity);
-    let config = Config::parse(conf).expect("a valid config");
-    (sim.clone(), Allocator::sim_with(sim, config))
-}
-
-fn eventually(mut cond: impl FnMut() -> bool) -> bool {
-    let since = Instant::now();
-    while since.elapsed() < Duration::from_secs(10) {
-        if cond() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    cond()
-}
 
 fn on_event_thread() -> bool {
     std::thread::current().name().is_some_and(|n| n.starts_with("mp-ev-"))

@@ -185,3 +185,23 @@ impl mutate::Below for Rng {
         Rng::below(self, n)
     }
 }
+
+/// A simulated device of `capacity` bytes whose memory counts as pinned (`SimDevice::pinned`),
+/// and an allocator on it with the settings `conf` (`MEMPOOL_ALLOC_CONF` syntax).
+pub(crate) fn pinned_sim(capacity: usize, conf: &str) -> (std::sync::Arc<SimDevice>, Allocator<mempool::Sim>) {
+    let sim = SimDevice::pinned(capacity);
+    let config = mempool::Config::parse(conf).expect("a valid config");
+    (sim.clone(), Allocator::sim_with(sim, config))
+}
+
+/// Waits (at most 10 s) until `cond` holds, looking every millisecond; whether it did.
+pub(crate) fn eventually(mut cond: impl FnMut() -> bool) -> bool {
+    let since = std::time::Instant::now();
+    while since.elapsed() < std::time::Duration::from_secs(10) {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    cond()
+}
