@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
-use mempool::{Allocator, Error};
+use mempool::{Allocator, Buffer, Error};
 
 const N: usize = 1 << 20;
 
@@ -38,29 +38,49 @@ fn pinned_invalid_device_is_a_clear_error() {
     }
 }
 
+/// A copy from pinned memory queued behind a closed gate, its source already dropped.
+struct Gated {
+    /// The gate: 0 keeps stream `s` waiting; 1 opens it (a pinned word on the side stream, so
+    /// its host view does not wait for `s`).
+    flag: Buffer<u32, mempool::Cuda>,
+    s: Arc<CudaStream>,
+    side: Arc<CudaStream>,
+    /// The copy's destination (device memory).
+    dst: Buffer<u8, mempool::Cuda>,
+    /// The dropped source's address.
+    old: u64,
+    /// `s` current for both allocators while the test runs.
+    _on: (mempool::StreamGuard, mempool::StreamGuard),
+}
+
+/// `N` bytes of `pinned` memory filled with `byte` on a new stream, copied to `gpu` memory on
+/// that stream behind a closed gate, then dropped (the copy has not read them yet).
+fn gated_copy(pinned: &Allocator<mempool::Cuda>, gpu: &Allocator<mempool::Cuda>, byte: u8) -> Gated {
+    let ctx = ctx();
+    let (s, side) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let mut flag = {
+        let _on = pinned.set_stream(&side).unwrap();
+        pinned.alloc_zeros::<u32>(1).unwrap()
+    };
+    flag.host_slice_mut().unwrap()[0] = 0;
+    let _on = (pinned.set_stream(&s).unwrap(), gpu.set_stream(&s).unwrap());
+    let mut src = pinned.alloc::<u8>(N).unwrap();
+    src.host_slice_mut().unwrap().fill(byte);
+    let mut dst = gpu.alloc_zeros::<u8>(N).unwrap();
+    gate(&s, &flag);
+    s.memcpy_dtod(&src, &mut dst).unwrap(); // queued behind the gate: reads `src` later
+    let old = src.device_ptr_raw();
+    drop(src);
+    Gated { flag, s, side, dst, old, _on }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_gated_copy_keeps_its_pinned_source_out_of_reuse() {
     let pinned = Allocator::pinned(0).unwrap();
     assert!(pinned.is_pinned() && !Allocator::cuda(0).unwrap().is_pinned());
     let gpu = Allocator::cuda(0).unwrap();
-    let ctx = ctx();
-    let (s, side) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
-    // The gate's flag lives on the side stream (its host view must not wait for `s`).
-    let mut flag = {
-        let _on = pinned.set_stream(&side).unwrap();
-        pinned.alloc_zeros::<u32>(1).unwrap()
-    };
-    flag.host_slice_mut().unwrap()[0] = 0;
-    let _on = pinned.set_stream(&s).unwrap();
-    let _on_gpu = gpu.set_stream(&s).unwrap();
-    let mut src = pinned.alloc::<u8>(N).unwrap();
-    src.host_slice_mut().unwrap().fill(0xAB);
-    let mut dst = gpu.alloc_zeros::<u8>(N).unwrap();
-    gate(&s, &flag);
-    s.memcpy_dtod(&src, &mut dst).unwrap(); // queued behind the gate: reads `src` later
-    let old = src.device_ptr_raw();
-    drop(src);
+    let Gated { mut flag, s, dst, old, _on, .. } = gated_copy(&pinned, &gpu, 0xAB);
     // The copy has not run: the memory must not go to the next pinned allocation, even on the
     // same stream, whose host writes would not wait for the copy.
     let next = pinned.alloc::<u8>(N).unwrap();
@@ -294,22 +314,7 @@ fn the_background_thread_keeps_a_gated_copy_source_out_of_reuse_then_files_it() 
     let pinned = Allocator::pinned_with(0, cfg).unwrap();
     assert!(pinned.config().pinned_use_background_threads);
     let gpu = Allocator::cuda(0).unwrap();
-    let ctx = ctx();
-    let (s, side) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
-    let mut flag = {
-        let _on = pinned.set_stream(&side).unwrap();
-        pinned.alloc_zeros::<u32>(1).unwrap()
-    };
-    flag.host_slice_mut().unwrap()[0] = 0;
-    let _on = pinned.set_stream(&s).unwrap();
-    let _on_gpu = gpu.set_stream(&s).unwrap();
-    let mut src = pinned.alloc::<u8>(N).unwrap();
-    src.host_slice_mut().unwrap().fill(0x5C);
-    let mut dst = gpu.alloc_zeros::<u8>(N).unwrap();
-    gate(&s, &flag);
-    s.memcpy_dtod(&src, &mut dst).unwrap(); // queued behind the gate: reads `src` later
-    let old = src.device_ptr_raw();
-    drop(src);
+    let Gated { mut flag, s, side, dst, old, _on } = gated_copy(&pinned, &gpu, 0x5C);
     // The thread looks many times meanwhile; the event cannot complete, the block must wait.
     std::thread::sleep(std::time::Duration::from_millis(200));
     assert_eq!(block_state_at(&pinned, old), Some(mempool::BlockState::AwaitingStreams));
