@@ -23,7 +23,7 @@
 //!
 //! **Allocation and rendezvous.** [`symm_empty`] is collective: every rank makes one physical
 //! allocation on its device (`cuMemCreate`: the data, then a signal pad of
-//! `world_size × (CHANNELS + 64)` 32-bit words: the channels, then the one-shot kernel's own),
+//! `2 world_size × (CHANNELS + 192)` 32-bit words: the channels' and the kernels' signals, counted as sent, then as taken),
 //! the ranks exchange (process, size, handle, device) and check that every rank asked for the
 //! same size before anyone maps anything (all fail together, with the sizes in the error); then
 //! each rank maps every rank's allocation into its own address range, readable and writable by
@@ -80,22 +80,26 @@ const KERNEL_SLOTS: usize = 3 * KERNEL_BLOCKS;
 /// The kernels' most blocks (each block signals and waits for the same block of every peer).
 const KERNEL_BLOCKS: usize = 64;
 
+/// The kernels' barriers count their signals, as `signal_sync` does: thread `t` of block `b`
+/// adds 1 (a system-scope reduction) to word `base + rank*192 + set*64 + b` of rank `t`'s pad,
+/// then waits, with acquire semantics, until word `base + t*192 + set*64 + b` of its own pad
+/// differs from its count of those taken (the word `world*192` after it), and counts one more.
+/// Nothing is ever cleared, so no clear can race a peer's next signal.
+///
 /// `one_shot_sync_f32(const u64* ptrs, const u64* pads, u32 world, u32 rank, u32 base,
-/// float* out, u64 n)`: a barrier inside the kernel (thread `t` of each block `b` sets word
-/// `base + rank*192 + b` of rank `t`'s pad and waits, with acquire semantics, for word
-/// `base + t*192 + b` of its own pad, then clears it), then `out[i]` = the sum over ranks of
+/// float* out, u64 n)`: a barrier inside the kernel (set 0), then `out[i]` = the sum over ranks of
 /// their data (grid-stride, loads that skip L1: the first `4 * n4` elements four at a time,
 /// 16-byte loads of two ranks in flight, then the rest one at a time; ranks added in order, so
-/// the sums are those of the scalar loop), then the same barrier on words `+ 64`, so no rank
-/// writes its data again before every rank read it.
+/// the sums are those of the scalar loop), then a barrier on set 1, so no rank writes its data
+/// again before every rank read it.
 ///
 /// `two_shot_sync_f32(const u64* ptrs, const u64* pads, u32 world, u32 rank, u32 base, u64 v,
-/// u64 cv, u64 tail)`, in place over `4v + tail` floats per rank: the barrier on words `+ 0`;
+/// u64 cv, u64 tail)`, in place over `4v + tail` floats per rank: a barrier on set 0;
 /// rank `r` sums (ranks in order) the 16-byte vectors `[r*cv, min((r+1)*cv, v))` of every
 /// rank's data into its own data, and the last rank the `tail` floats after `4v` one at a
-/// time; a barrier on words `+ 64` whose signal is a release store (the sums written by this
+/// time; a barrier on set 1 whose signal is a release reduction (the sums written by this
 /// kernel become visible to the peers that acquire it); each rank copies every other rank's
-/// chunk (and the last rank's tail) into its own data; the barrier on words `+ 128`.
+/// chunk (and the last rank's tail) into its own data; a barrier on set 2.
 ///
 /// `signal_sync(const u64* pads, u32 world, u32 rank, u32 channel, u32 peer, u32 mode,
 /// u64 timeout_ns, u32* status)`, one block; thread `t` serves peer `t` (every peer but this
@@ -108,7 +112,7 @@ const KERNEL_BLOCKS: usize = 64;
 /// mode 1, `wait_signal` 2, `barrier` 3. With `timeout_ns > 0`, a wait that sees no new signal
 /// for that long (`%globaltimer`) sets `status[t]` to 1 and ends.
 ///
-/// The signals are relaxed stores (system scope), with no fence before them: the first says
+/// The signals are relaxed (system scope), with no fence before them: the first says
 /// "my data is ready", and that data was written by work that completed before this kernel
 /// began (stream order: the copy or kernel that wrote it is done, its writes in this device's
 /// memory, where peers read them); the second says "I have read your data", after a `bar.sync`
@@ -151,7 +155,7 @@ const KERNELS_PTX: &str = "
     add.u32 %r7, %r6, %r5;
     mul.wide.u32 %rd8, %r7, 4;
     add.u64 %rd9, %rd7, %rd8;
-    st.relaxed.sys.global.u32 [%rd9], %r8;
+    red.relaxed.sys.global.add.u32 [%rd9], %r8;
     mul.wide.u32 %rd10, %r2, 8;
     add.u64 %rd11, %rd2, %rd10;
     ld.global.u64 %rd12, [%rd11];
@@ -159,11 +163,15 @@ const KERNELS_PTX: &str = "
     add.u32 %r10, %r9, %r5;
     mul.wide.u32 %rd13, %r10, 4;
     add.u64 %rd14, %rd12, %rd13;
+    mul.wide.u32 %rd39, %r1, 768;
+    add.u64 %rd38, %rd14, %rd39;
+    ld.global.u32 %r21, [%rd38];
 SPIN1:
     ld.acquire.sys.global.u32 %r11, [%rd14];
-    setp.eq.u32 %p4, %r11, 0;
+    setp.eq.u32 %p4, %r11, %r21;
     @%p4 bra SPIN1;
-    st.relaxed.sys.global.u32 [%rd14], %r12;
+    add.u32 %r21, %r21, 1;
+    st.global.u32 [%rd38], %r21;
 B1DONE:
     bar.sync 0;
     mov.u32 %r13, %ntid.x;
@@ -253,15 +261,19 @@ CDONE:
     add.u32 %r18, %r7, 64;
     mul.wide.u32 %rd8, %r18, 4;
     add.u64 %rd9, %rd7, %rd8;
-    st.relaxed.sys.global.u32 [%rd9], %r8;
+    red.relaxed.sys.global.add.u32 [%rd9], %r8;
     add.u32 %r19, %r10, 64;
     mul.wide.u32 %rd13, %r19, 4;
     add.u64 %rd14, %rd12, %rd13;
+    mul.wide.u32 %rd39, %r1, 768;
+    add.u64 %rd38, %rd14, %rd39;
+    ld.global.u32 %r21, [%rd38];
 SPIN2:
     ld.acquire.sys.global.u32 %r11, [%rd14];
-    setp.eq.u32 %p4, %r11, 0;
+    setp.eq.u32 %p4, %r11, %r21;
     @%p4 bra SPIN2;
-    st.relaxed.sys.global.u32 [%rd14], %r12;
+    add.u32 %r21, %r21, 1;
+    st.global.u32 [%rd38], %r21;
 B2DONE:
     ret;
 }
@@ -305,12 +317,16 @@ B2DONE:
     add.u32 %r10, %r9, %r5;
     mul.wide.u32 %rd13, %r10, 4;
     add.u64 %rd14, %rd12, %rd13;
-    st.relaxed.sys.global.u32 [%rd9], %r8;
+    red.relaxed.sys.global.add.u32 [%rd9], %r8;
+    mul.wide.u32 %rd39, %r1, 768;
+    add.u64 %rd38, %rd14, %rd39;
+    ld.global.u32 %r21, [%rd38];
 TA_SPIN:
     ld.acquire.sys.global.u32 %r11, [%rd14];
-    setp.eq.u32 %p4, %r11, 0;
+    setp.eq.u32 %p4, %r11, %r21;
     @%p4 bra TA_SPIN;
-    st.relaxed.sys.global.u32 [%rd14], %r12;
+    add.u32 %r21, %r21, 1;
+    st.global.u32 [%rd38], %r21;
 TA_DONE:
     bar.sync 0;
     mov.u32 %r13, %ntid.x;
@@ -386,15 +402,19 @@ P1_TAIL_DONE:
     add.u32 %r19, %r7, 64;
     mul.wide.u32 %rd8, %r19, 4;
     add.u64 %rd28, %rd7, %rd8;
-    st.release.sys.global.u32 [%rd28], %r8;
+    red.release.sys.global.add.u32 [%rd28], %r8;
     add.u32 %r20, %r10, 64;
     mul.wide.u32 %rd13, %r20, 4;
     add.u64 %rd29, %rd12, %rd13;
+    mul.wide.u32 %rd39, %r1, 768;
+    add.u64 %rd38, %rd29, %rd39;
+    ld.global.u32 %r21, [%rd38];
 TB_SPIN:
     ld.acquire.sys.global.u32 %r11, [%rd29];
-    setp.eq.u32 %p4, %r11, 0;
+    setp.eq.u32 %p4, %r11, %r21;
     @%p4 bra TB_SPIN;
-    st.relaxed.sys.global.u32 [%rd29], %r12;
+    add.u32 %r21, %r21, 1;
+    st.global.u32 [%rd38], %r21;
 TB_DONE:
     bar.sync 0;
     mov.u32 %r17, 0;
@@ -443,15 +463,19 @@ P2_DONE:
     add.u32 %r19, %r7, 128;
     mul.wide.u32 %rd8, %r19, 4;
     add.u64 %rd28, %rd7, %rd8;
-    st.relaxed.sys.global.u32 [%rd28], %r8;
+    red.relaxed.sys.global.add.u32 [%rd28], %r8;
     add.u32 %r20, %r10, 128;
     mul.wide.u32 %rd13, %r20, 4;
     add.u64 %rd29, %rd12, %rd13;
+    mul.wide.u32 %rd39, %r1, 768;
+    add.u64 %rd38, %rd29, %rd39;
+    ld.global.u32 %r21, [%rd38];
 TC_SPIN:
     ld.acquire.sys.global.u32 %r11, [%rd29];
-    setp.eq.u32 %p4, %r11, 0;
+    setp.eq.u32 %p4, %r11, %r21;
     @%p4 bra TC_SPIN;
-    st.relaxed.sys.global.u32 [%rd29], %r12;
+    add.u32 %r21, %r21, 1;
+    st.global.u32 [%rd38], %r21;
 TC_DONE:
     ret;
 }
@@ -692,7 +716,7 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
     let ctx = comm.context().clone();
     // A size this rank cannot have still takes part in the exchange (as a rank that could not
     // allocate), so every rank fails together rather than wait for it.
-    let pad = world * (2 * CHANNELS + KERNEL_SLOTS) * 4;
+    let pad = world * (2 * (CHANNELS + KERNEL_SLOTS)) * 4;
     let sized = (|| -> std::result::Result<(usize, usize, usize), String> {
         ctx.bind_to_thread().map_err(|e| e.to_string())?;
         let requested = len
@@ -1430,7 +1454,8 @@ impl SymmMemory<f32> {
         // this device may read and write (the peer mappings, alive with `self`; every rank
         // writes only its own data, and reads another rank's chunk only between the barriers
         // that order it); `pads` each rank's pad, with the words `base + r*KERNEL_SLOTS + b +
-        // {0, 64, 128}` the kernel uses for `b < blocks <= KERNEL_BLOCKS`; `tail < 4`;
+        // {0, 64, 128}` (and their counts taken, `world*KERNEL_SLOTS` after) the kernel uses
+        // for `b < blocks <= KERNEL_BLOCKS`; `tail < 4`;
         // `threads >= world`.
         unsafe { self.launch(k.two_shot, blocks, threads, stream, &mut params) }
     }
@@ -1516,7 +1541,8 @@ impl SymmMemory<f32> {
         // u32 base, float* out, u64 n, u64 n4), the eight parameters above: `ptrs` holds `world`
         // addresses, each the start of a mapping (so 16-byte aligned) of `len` floats this
         // device may read (the peer mappings, alive with `self`), and `pads` each rank's pad,
-        // whose words `base + r*KERNEL_SLOTS + b + {0, 64}` the kernel uses exist for
+        // whose words `base + r*KERNEL_SLOTS + b + {0, 64}` (and their counts taken,
+        // `world*KERNEL_SLOTS` after) the kernel uses exist for
         // `b < blocks <= KERNEL_BLOCKS`; `out` holds at least `len` floats of this device
         // (borrowed until `_sync` goes, after the launch), 16-byte aligned when `n4 > 0`, and
         // `4 * n4 <= len`; `threads >= world`.
@@ -1603,7 +1629,12 @@ mod tests {
         assert_eq!(KERNELS_PTX.matches(&format!(", {}, %r3;", 3 * KERNEL_BLOCKS)).count(), 4);
         assert!(KERNELS_PTX.contains(&format!("add.u32 %r19, %r7, {KERNEL_BLOCKS};")));
         assert!(KERNELS_PTX.contains(&format!("add.u32 %r19, %r7, {};", 2 * KERNEL_BLOCKS)));
-        // Signals are relaxed stores but the two-shot's middle one, which publishes its sums.
-        assert_eq!(KERNELS_PTX.matches("st.release").count(), 1, "one release signal");
+        // The counts taken sit `world * KERNEL_SLOTS` words after the signals.
+        assert_eq!(KERNELS_PTX.matches(&format!("mul.wide.u32 %rd39, %r1, {};", 4 * KERNEL_SLOTS)).count(), 5);
+        // Signals are relaxed but the two-shot's middle one, which publishes its sums; none
+        // is a store (nothing is cleared: signals are counted).
+        assert_eq!(KERNELS_PTX.matches("red.release").count(), 1, "one release signal");
+        assert_eq!(KERNELS_PTX.matches("red.relaxed").count(), 5);
+        assert!(!KERNELS_PTX.contains("st.relaxed.sys") && !KERNELS_PTX.contains("st.release"));
     }
 }
