@@ -55,6 +55,11 @@
 //! signals leaves the stream waiting; [`barrier_timeout`](SymmMemory::barrier_timeout) and
 //! [`wait_signal_timeout`](SymmMemory::wait_signal_timeout) end the wait and name the ranks.
 //!
+//! **NCCL on the same memory.** [`register_window`](SymmMemory::register_window) registers each
+//! rank's allocation as an NCCL window (`ncclCommWindowRegister`, symmetric), so NCCL's
+//! collectives and this allocation's kernels work on one buffer; allocations are made
+//! exportable as POSIX descriptors where the device allows, which NCCL needs to share them.
+//!
 //! **Multicast stays off**: nothing here creates a multicast object.
 
 use std::io::ErrorKind;
@@ -812,11 +817,18 @@ fn zero_own_pad(base: u64, layout: &Layout, stream: &Arc<CudaStream>) -> Result<
 fn rendezvous_in_process(comm: &Communicator, l: &Layout, stream: &Arc<CudaStream>) -> Result<Vec<u64>> {
     let (rank, world, bytes) = (l.rank, l.world, l.bytes);
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
-    let p = prop(l.device);
+    // Exportable where the device allows (NCCL's window registration shares the allocation
+    // with the peers through a descriptor); otherwise a plain one.
+    let mut p = prop(l.device);
+    p.requestedHandleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
     let made = match &l.local {
         Some(why) => Err(Error::Symmetric(format!("rank {rank}: {why}"))),
         // SAFETY: out-parameter; a valid property struct for this device.
-        None => cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &p, 0) }),
+        None => cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &p, 0) }).or_else(|_| {
+            let p = prop(l.device);
+            // SAFETY: as above, with no handle type asked for.
+            cuda("cuMemCreate", unsafe { sys::cuMemCreate(&mut handle, bytes, &p, 0) })
+        }),
     };
     let own = Handle(if made.is_ok() { handle } else { 0 });
     // Every rank learns every rank's (process, bytes asked for, handle, device, made, bytes
@@ -1561,6 +1573,102 @@ impl<T> Drop for SymmMemory<T> {
                 let _ = unsafe { sys::cuModuleUnload(k.module as sys::CUmodule) };
             }
         }
+    }
+}
+
+impl<T> SymmMemory<T> {
+    /// Registers this rank's allocation (its data and pad: the whole mapping, one physical
+    /// allocation) as an NCCL window for symmetric collectives (`ncclCommWindowRegister` with
+    /// `NCCL_WIN_COLL_SYMMETRIC`, NCCL 2.27 or newer), so NCCL's collectives run on the same
+    /// memory as this allocation's kernels: pass [`peer`](Self::peer)`(rank)` to them.
+    /// Collective: every rank calls it with the communicator the allocation was made with and a
+    /// stream of its device; the checks (NCCL's version, the communicator's rank, world and
+    /// device) are gathered from every rank before any calls NCCL, so all fail together. The
+    /// window borrows the allocation, which therefore outlives the registration.
+    pub fn register_window<'a>(&'a self, comm: &Communicator, stream: &Arc<CudaStream>) -> Result<SymmWindow<'a, T>> {
+        let local = match crate::alloc::nccl_version() {
+            Ok(v) if v < (2, 27, 0) => Err(format!("needs NCCL 2.27 or newer; this is {}.{}.{}", v.0, v.1, v.2)),
+            Ok(_) if (comm.rank(), comm.world_size(), comm.device()) != (self.rank, self.world, self.ctx.ordinal()) => {
+                Err(format!(
+                    "the communicator (rank {} of {} on device {}) is not the allocation's (rank {} of {} on device {})",
+                    comm.rank(),
+                    comm.world_size(),
+                    comm.device(),
+                    self.rank,
+                    self.world,
+                    self.ctx.ordinal()
+                ))
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        };
+        let all = gather(comm, &[u64::from(local.is_ok()), self.bytes as u64], stream)?;
+        if let Err(why) = local {
+            return Err(Error::Window(format!("rank {}: {why}", self.rank)));
+        }
+        if let Some(r) = (0..comm.world_size()).find(|&r| all[2 * r] == 0) {
+            return Err(Error::Window(format!("rank {r} cannot register its symmetric memory as a window")));
+        }
+        if (0..comm.world_size()).any(|r| all[2 * r + 1] != self.bytes as u64) {
+            return Err(Error::Window("the ranks' symmetric allocations differ in size".into()));
+        }
+        let handle = comm.handle().clone();
+        let win = {
+            let guard = handle.lock();
+            match guard.as_ref() {
+                // SAFETY: `bases[rank]..+bytes` is this rank's own mapping of its physical
+                // allocation, for this device, alive as long as `self`, which the window
+                // borrows: it is deregistered (or the communicator gone) before the mapping goes.
+                Some(ops) => unsafe { ops.window_register(self.bases[self.rank], self.bytes) },
+                None => Err(Error::Closed),
+            }
+        }?;
+        Ok(SymmWindow { symm: self, comm: handle, win: Some(win) })
+    }
+}
+
+/// A rank's symmetric allocation registered as an NCCL window
+/// ([`SymmMemory::register_window`]). [`deregister`](Self::deregister) waits for the device's
+/// work, then deregisters (local to each rank); dropping it does the same, except that it
+/// leaves the window registered (NCCL lets it go with the communicator) when the communicator
+/// reports an error or is closed, rather than wait for a collective that cannot end.
+pub struct SymmWindow<'a, T> {
+    symm: &'a SymmMemory<T>,
+    comm: Arc<crate::handle::CommHandle>,
+    /// `None` once deregistered.
+    win: Option<usize>,
+}
+
+impl<T> std::fmt::Debug for SymmWindow<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SymmWindow").field("rank", &self.symm.rank).field("registered", &self.win.is_some()).finish()
+    }
+}
+
+impl<T> SymmWindow<'_, T> {
+    /// Waits for this device's work, then deregisters the window.
+    pub fn deregister(mut self) -> Result<()> {
+        self.close(false)
+    }
+
+    fn close(&mut self, careful: bool) -> Result<()> {
+        let Some(win) = self.win.take() else { return Ok(()) };
+        let guard = self.comm.lock();
+        let Some(ops) = guard.as_ref() else { return Ok(()) };
+        if careful && ops.async_error().is_err() {
+            return Ok(());
+        }
+        self.symm.ctx.bind_to_thread().map_err(Error::cuda)?;
+        self.symm.ctx.synchronize().map_err(Error::cuda)?;
+        // SAFETY: `win` came from `window_register` on this communicator and is deregistered once
+        // (taken out above); every operation queued on this device so far is done.
+        unsafe { ops.window_deregister(win) }
+    }
+}
+
+impl<T> Drop for SymmWindow<'_, T> {
+    fn drop(&mut self) {
+        let _ = self.close(true);
     }
 }
 

@@ -732,6 +732,11 @@ const SYMM_ID: &str = "MEMPOOL_SYMM_TEST_ID";
 /// Runs `test` (a `child_*` test of this file) as `ranks` processes, rank `r` on GPU `r`, all
 /// joining one communicator id; each must pass within three minutes.
 fn symm_processes(test: &str, ranks: usize) {
+    symm_processes_within(test, ranks, 180);
+}
+
+/// As [`symm_processes`], each rank given `secs` seconds.
+fn symm_processes_within(test: &str, ranks: usize, secs: u64) {
     let id = mempool_nccl::Id::new().unwrap();
     let hex: String = id.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
     let exe = std::env::current_exe().unwrap();
@@ -745,7 +750,7 @@ fn symm_processes(test: &str, ranks: usize) {
                 .unwrap()
         })
         .collect();
-    let deadline = Instant::now() + Duration::from_secs(180);
+    let deadline = Instant::now() + Duration::from_secs(secs);
     for (rank, mut c) in children.into_iter().enumerate() {
         loop {
             if let Some(status) = c.try_wait().unwrap() {
@@ -841,4 +846,75 @@ fn child_symmetric_rank_that_leaves() {
     }
     assert_eq!(open_after[1], open_after[0], "no descriptor is left open");
     comm.abort().unwrap();
+}
+
+/// Symmetric memory registered as an NCCL window, two processes: NCCL's all-reduce on it, in
+/// place, gives the sums, the one-shot kernel on the same memory too, and the window is
+/// deregistered before the memory goes. (Each rank has a minute: a hang fails, it never waits.)
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn symmetric_memory_as_an_nccl_window_across_two_processes() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: two processes need two");
+        return;
+    }
+    symm_processes_within("child_symmetric_window_rank", 2, 60);
+}
+
+/// One rank of `symmetric_memory_as_an_nccl_window_across_two_processes`.
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn child_symmetric_window_rank() {
+    let Some(comm) = symm_child(2) else { return };
+    let (rank, n) = (comm.rank(), 1usize << 20);
+    let stream = comm.context().new_stream().unwrap();
+    let symm = mempool_nccl::symm::symm_empty::<f32>(&comm, n, &stream).unwrap();
+    let vals: Vec<f32> = (0..n).map(|i| ((i % 100) * (rank + 1)) as f32).collect();
+    let want: Vec<f32> = (0..n).map(|i| ((i % 100) * 3) as f32).collect();
+    stream.memcpy_htod(&vals, &mut symm.peer(rank, &stream).unwrap()).unwrap();
+    let window = symm.register_window(&comm, &stream).unwrap();
+    comm.all_reduce_in_place(&mut symm.peer(rank, &stream).unwrap(), ReduceOp::Sum, &stream).unwrap();
+    let got = stream.clone_dtoh(&symm.peer(rank, &stream).unwrap()).unwrap();
+    assert!(got == want, "rank {rank}: NCCL's sums on the window");
+    // The allocation's own kernels on the same memory while it is registered.
+    stream.memcpy_htod(&vals, &mut symm.peer(rank, &stream).unwrap()).unwrap();
+    let mut out = stream.alloc_zeros::<f32>(n).unwrap();
+    symm.one_shot_all_reduce(&mut out, &stream).unwrap();
+    assert!(stream.clone_dtoh(&out).unwrap() == want, "rank {rank}: the one-shot's sums on the window");
+    window.deregister().unwrap();
+    drop(symm);
+    comm.destroy().unwrap();
+}
+
+/// The same with every rank a thread of one process (`all_local` communicators), in a child
+/// process given a minute.
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn symmetric_memory_as_an_nccl_window_threads() {
+    if gpus() < 2 {
+        eprintln!("one GPU here: a window needs two ranks");
+        return;
+    }
+    symm_processes_within("child_symmetric_window_threads", 1, 60);
+}
+
+/// The body of `symmetric_memory_as_an_nccl_window_threads` (does nothing unless launched by it).
+#[test]
+#[ignore = "needs two CUDA GPUs with NCCL"]
+fn child_symmetric_window_threads() {
+    if std::env::var(SYMM_CHILD).is_err() {
+        return;
+    }
+    on_every_gpu(|comm| {
+        let (rank, world, n) = (comm.rank(), comm.world_size(), 1usize << 16);
+        let stream = comm.context().new_stream().unwrap();
+        let symm = mempool_nccl::symm::symm_empty::<f32>(&comm, n, &stream).unwrap();
+        let vals: Vec<f32> = (0..n).map(|i| ((i % 100) * (rank + 1)) as f32).collect();
+        let want: Vec<f32> = (0..n).map(|i| (1..=world).map(|k| ((i % 100) * k) as f32).sum()).collect();
+        stream.memcpy_htod(&vals, &mut symm.peer(rank, &stream).unwrap()).unwrap();
+        let window = symm.register_window(&comm, &stream).unwrap();
+        comm.all_reduce_in_place(&mut symm.peer(rank, &stream).unwrap(), ReduceOp::Sum, &stream).unwrap();
+        assert!(stream.clone_dtoh(&symm.peer(rank, &stream).unwrap()).unwrap() == want, "rank {rank}");
+        window.deregister().unwrap();
+    });
 }
