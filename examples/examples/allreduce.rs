@@ -1,7 +1,8 @@
 //! All-reduce across every GPU of the machine on `ncclMemAlloc` pool buffers registered with the
 //! communicator (and as symmetric windows), on an expandable registered pool (memory mapped on
 //! demand, each physical allocation registered), verified, with a bus-bandwidth table like
-//! nccl-tests' next to unregistered default-pool buffers.
+//! nccl-tests' next to unregistered default-pool buffers, and mempool's own one-shot and
+//! two-shot kernels over symmetric memory (`mempool_nccl::symm`, between threads or processes).
 //!
 //! ```sh
 //! cargo run --release --example allreduce                 # one thread per GPU
@@ -9,7 +10,8 @@
 //! torchrun --nproc-per-node 8 target/release/examples/allreduce   # or srun / mpirun: one rank each
 //! ```
 //! Options: `--min-mb N` (1), `--max-mb N` (1024), `--iters N` (20), `--no-window` (skip the
-//! symmetric-window column, which needs NCCL 2.27+).
+//! symmetric-window column, which needs NCCL 2.27+), `--no-symm` (skip the symmetric-memory
+//! kernels' columns).
 //!
 //! NVLink multicast (NVLS) is never forced on: the example says whether this machine could use
 //! it, and NCCL decides (`NCCL_NVLS_ENABLE` is left as the environment has it).
@@ -20,19 +22,21 @@ use std::time::Instant;
 
 use cudarc::driver::{result, sys, CudaStream};
 use mempool::{with_pool, Allocator, Buffer, MemPool, PoolOptions};
+use mempool_nccl::symm::{symm_empty, SymmMemory};
 use mempool_nccl::{nccl_pool, nccl_pool_with, nccl_version, Communicator, ReduceOp};
 
 #[derive(Clone, Copy, Debug)]
 struct Opts {
     procs: bool,
     window: bool,
+    symm: bool,
     min_mb: usize,
     max_mb: usize,
     iters: usize,
 }
 
 fn opts() -> Result<Opts, String> {
-    let mut o = Opts { procs: false, window: true, min_mb: 1, max_mb: 1024, iters: 20 };
+    let mut o = Opts { procs: false, window: true, symm: true, min_mb: 1, max_mb: 1024, iters: 20 };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut num = |name: &str| -> Result<usize, String> {
@@ -41,12 +45,13 @@ fn opts() -> Result<Opts, String> {
         match a.as_str() {
             "--procs" => o.procs = true,
             "--no-window" => o.window = false,
+            "--no-symm" => o.symm = false,
             "--min-mb" => o.min_mb = num("--min-mb")?,
             "--max-mb" => o.max_mb = num("--max-mb")?,
             "--iters" => o.iters = num("--iters")?,
             other => {
                 return Err(format!(
-                    "unknown option {other}; valid: --procs, --no-window, --min-mb N, --max-mb N, --iters N"
+                    "unknown option {other}; valid: --procs, --no-window, --no-symm, --min-mb N, --max-mb N, --iters N"
                 ))
             }
         }
@@ -120,6 +125,50 @@ fn measure(
     Ok(t.elapsed().as_secs_f64() / iters as f64)
 }
 
+/// Seconds per call of mempool's one-shot (out of place, into `out`) or two-shot (in place)
+/// all-reduce over `symm`, whose data every rank filled with its rank + 1: the first call
+/// checked, then `iters` timed after a wait for every rank.
+#[allow(clippy::too_many_arguments)]
+fn measure_symm(
+    comm: &Communicator,
+    stream: &Arc<CudaStream>,
+    sync: &Sync,
+    alloc: &Allocator,
+    symm: &SymmMemory<f32>,
+    out: &mut Buffer<f32>,
+    two_shot: bool,
+    iters: usize,
+) -> Result<f64, String> {
+    let e = |e: &dyn std::fmt::Display| e.to_string();
+    let world = comm.world_size();
+    let want = (world * (world + 1) / 2) as f32;
+    let call = |out: &mut Buffer<f32>| {
+        if two_shot {
+            symm.two_shot_all_reduce_in_place(stream)
+        } else {
+            symm.one_shot_all_reduce(out, stream)
+        }
+    };
+    call(out).map_err(|x| e(&x))?;
+    let got = if two_shot {
+        stream.clone_dtoh(&symm.peer(comm.rank(), stream).map_err(|x| e(&x))?).map_err(|x| e(&x))?
+    } else {
+        stream.clone_dtoh(&*out).map_err(|x| e(&x))?
+    };
+    if let Some(bad) = got.iter().position(|x| *x != want) {
+        let what = if two_shot { "two-shot" } else { "one-shot" };
+        return Err(format!("rank {}: {what}: element {bad} is {} instead of {want}", comm.rank(), got[bad]));
+    }
+    stream.synchronize().map_err(|x| e(&x))?;
+    sync.wait(comm, stream, alloc).map_err(|x| e(&x))?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        call(out).map_err(|x| e(&x))?;
+    }
+    stream.synchronize().map_err(|x| e(&x))?;
+    Ok(t.elapsed().as_secs_f64() / iters as f64)
+}
+
 fn nvls_line(device: usize) -> String {
     let supported = result::device::get(device as i32)
         .and_then(|d| {
@@ -162,8 +211,9 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
         println!("# float32 sum, in place; time per call over {} calls after 5 checked/warm-up calls; busbw = algbw * 2(n-1)/n", o.iters);
         println!("# reg: ncclMemAlloc pool buffer registered (ncclCommRegister); exp: expandable nccl_pool buffer registered; win: symmetric window (ncclCommWindowRegister); def: default pool, unregistered");
         println!("# reg and exp are measured in turns, twice each; the faster of each pair is shown; exp/reg = their busbw ratio");
+        println!("# 1shot / 2shot: mempool's one-shot (out of place) and two-shot (in place) kernels over symmetric memory (mempool_nccl::symm), no NCCL in the loop");
         println!(
-            "{:>6} | {:>9} {:>9} {:>9} | {:>9} {:>9} {:>7} | {:>9} {:>9} | {:>9} {:>9} {:>9}",
+            "{:>6} | {:>9} {:>9} {:>9} | {:>9} {:>9} {:>7} | {:>9} {:>9} | {:>9} {:>9} {:>9} | {:>9} {:>10} {:>9} {:>10}",
             "MiB",
             "reg_us",
             "reg_algbw",
@@ -175,7 +225,11 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
             "win_busbw",
             "def_us",
             "def_algbw",
-            "def_busbw"
+            "def_busbw",
+            "1shot_us",
+            "1shot_busbw",
+            "2shot_us",
+            "2shot_busbw"
         );
     }
     let factor = 2.0 * (world as f64 - 1.0) / world as f64;
@@ -210,6 +264,20 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
         };
         let mut def_buf = default_buffer(&alloc, &stream, n, value).map_err(|x| e(&x))?;
         let def = measure(&comm, &stream, &sync, &alloc, &mut def_buf, o.iters)?;
+        drop(def_buf);
+        let symm = if o.symm {
+            // Collective, like the communicator's calls: every rank, the same size.
+            let symm = symm_empty::<f32>(&comm, n, &stream).map_err(|x| e(&x))?;
+            let mut out = default_buffer(&alloc, &stream, n, 0.0).map_err(|x| e(&x))?;
+            let mut times = [0.0; 2];
+            for (two_shot, t) in [false, true].into_iter().zip(&mut times) {
+                stream.memcpy_htod(&fill, &mut symm.peer(rank, &stream).map_err(|x| e(&x))?).map_err(|x| e(&x))?;
+                *t = measure_symm(&comm, &stream, &sync, &alloc, &symm, &mut out, two_shot, o.iters)?;
+            }
+            Some(times)
+        } else {
+            None
+        };
         if rank == 0 {
             let (ra, da) = (bytes / reg / 1e9, bytes / def / 1e9);
             let (wu, wb) = match win {
@@ -217,15 +285,26 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
                 None => ("-".into(), "-".into()),
             };
             let ea = bytes / exp / 1e9;
+            let symm_cols: Vec<String> = match symm {
+                Some(ts) => ts
+                    .iter()
+                    .flat_map(|t| [format!("{:.1}", t * 1e6), format!("{:.1}", bytes / t / 1e9 * factor)])
+                    .collect(),
+                None => vec!["-".into(); 4],
+            };
             println!(
-                "{mb:>6} | {:>9.1} {ra:>9.1} {:>9.1} | {:>9.1} {:>9.1} {:>7.3} | {wu:>9} {wb:>9} | {:>9.1} {da:>9.1} {:>9.1}",
+                "{mb:>6} | {:>9.1} {ra:>9.1} {:>9.1} | {:>9.1} {:>9.1} {:>7.3} | {wu:>9} {wb:>9} | {:>9.1} {da:>9.1} {:>9.1} | {:>9} {:>10} {:>9} {:>10}",
                 reg * 1e6,
                 ra * factor,
                 exp * 1e6,
                 ea * factor,
                 ea / ra,
                 def * 1e6,
-                da * factor
+                da * factor,
+                symm_cols[0],
+                symm_cols[1],
+                symm_cols[2],
+                symm_cols[3]
             );
         }
         mb *= 2;
