@@ -592,6 +592,22 @@ fn symm_rank_checks(comm: &Communicator) -> usize {
             }
             stream.synchronize().unwrap();
         }
+        // Ranks drop in any order: rank 0 unmaps everything and lets go of its allocation,
+        // rank 1 then still reads rank 0's data through its own mapping (which keeps it).
+        let kept = symm_empty::<u32>(comm, N, &stream).unwrap();
+        stream.memcpy_htod(&pattern(rank), &mut kept.peer(rank, &stream).unwrap()).unwrap();
+        symm.barrier(10, &stream).unwrap();
+        if world >= 2 && rank < 2 {
+            if rank == 0 {
+                drop(kept);
+                symm.put_signal(1, 11, &stream).unwrap(); // "mine is unmapped"
+            } else {
+                symm.wait_signal(0, 11, &stream).unwrap();
+                let theirs = stream.clone_dtoh(&kept.peer(0, &stream).unwrap()).unwrap();
+                assert!(theirs == pattern(0), "rank 1 reads rank 0's data after rank 0 let it go");
+                drop(kept);
+            }
+        }
         // A wait that times out names the silent rank; the signal that comes later is taken by
         // the next wait (nothing is left out of step).
         let lone = symm_empty::<u8>(comm, 64, &stream).unwrap();
