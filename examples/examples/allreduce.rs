@@ -232,6 +232,9 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
             "2shot_busbw"
         );
     }
+    // Symmetric memory needs every rank on this machine (launchers across nodes: the columns
+    // say "-").
+    let symm_here = o.symm && mempool_nccl::symm::same_machine(&comm, &stream).map_err(|x| e(&x))?;
     let factor = 2.0 * (world as f64 - 1.0) / world as f64;
     let mut mb = o.min_mb.max(1);
     while mb <= o.max_mb {
@@ -265,7 +268,7 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
         let mut def_buf = default_buffer(&alloc, &stream, n, value).map_err(|x| e(&x))?;
         let def = measure(&comm, &stream, &sync, &alloc, &mut def_buf, o.iters)?;
         drop(def_buf);
-        let symm = if o.symm {
+        let symm = if symm_here {
             // Collective, like the communicator's calls: every rank, the same size.
             let symm = symm_empty::<f32>(&comm, n, &stream).map_err(|x| e(&x))?;
             let mut out = default_buffer(&alloc, &stream, n, 0.0).map_err(|x| e(&x))?;

@@ -668,6 +668,20 @@ fn gather(comm: &Communicator, mine: &[u64], stream: &Arc<CudaStream>) -> Result
     stream.clone_dtoh(&all).map_err(Error::cuda)
 }
 
+/// Whether every rank of `comm` can share symmetric memory with this one: the same machine (its
+/// boot) and the same network namespace (where the rendezvous sockets are). Collective (an
+/// all-gather on `stream`); every rank gets the same answer. Launchers that span several
+/// machines (torchrun, srun, mpirun across nodes) make communicators for which it is false:
+/// [`symm_empty`] there would wait for the other machines' ranks until its timeout.
+pub fn same_machine(comm: &Communicator, stream: &Arc<CudaStream>) -> Result<bool> {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let netns = std::fs::read_link("/proc/self/ns/net").map(|l| l.display().to_string()).unwrap_or_default();
+    let key = format!("{}|{netns}", read("/proc/sys/kernel/random/boot_id").trim());
+    let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let all = gather(comm, &[hash], stream)?;
+    Ok(all.iter().all(|&h| h == hash))
+}
+
 /// Options of [`symm_empty_with`].
 #[derive(Debug, Clone)]
 pub struct SymmOptions {

@@ -525,6 +525,7 @@ fn symm_rank_checks(comm: &Communicator) -> usize {
     {
         let (rank, world) = (comm.rank(), comm.world_size());
         let stream = comm.context().new_stream().unwrap();
+        assert!(mempool_nccl::symm::same_machine(comm, &stream).unwrap(), "rank {rank}: every rank is here");
         let symm = symm_empty::<u32>(comm, N, &stream).unwrap();
         assert_eq!((symm.buffer_ptrs().len(), symm.signal_pad_ptrs().len()), (world, world));
         // The device arrays hold the same addresses.
