@@ -1352,19 +1352,40 @@ pub fn receive_handle(sock: &std::os::unix::net::UnixStream) -> Result<(IpcHandl
 /// descriptors that came with it (received close-on-exec, owned: closed on any error). Errors
 /// (`std::io::Error`, with the socket's own errors, a read timeout included, as they are): the
 /// peer closed the socket (`UnexpectedEof`), a message longer than `max_len` bytes, more than
-/// [`MAX_FDS`] descriptors (cut short), descriptors that do not come with the first bytes.
+/// [`MAX_FDS`] descriptors (cut short), descriptors that do not come with the first bytes. An
+/// error after part of a message was read (a read timeout, `WouldBlock` on a non-blocking
+/// socket) shuts the socket down for reading: the message is lost, and later calls fail rather
+/// than read its rest as a new message.
 pub fn receive_message(
     sock: &std::os::unix::net::UnixStream,
     max_len: usize,
 ) -> std::io::Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>)> {
+    // An error after part of the frame was read (a read timeout, `WouldBlock` on a
+    // non-blocking socket) would leave the stream inside a frame: the socket is shut down for
+    // reading then, so a later call fails instead of reading the rest as a new frame.
+    let mid = |e: std::io::Error| {
+        let _ = sock.shutdown(std::net::Shutdown::Read);
+        std::io::Error::new(
+            e.kind(),
+            format!("{e} (mid-message: the socket is shut down for reading, the message lost)"),
+        )
+    };
     let mut fds = Vec::new();
     let mut len4 = [0u8; 4];
     let mut have = 0;
     while have < 4 {
         let before = fds.len();
-        let n = receive_some(sock, &mut len4[have..], &mut fds)?;
+        let n = match receive_some(sock, &mut len4[have..], &mut fds) {
+            Ok(n) => n,
+            Err(e) if have > 0 => return Err(mid(e)),
+            Err(e) => return Err(e),
+        };
         if n == 0 {
-            let what = if have == 0 { "the peer closed the socket" } else { "the peer closed the socket mid-message" };
+            let what = if have == 0 {
+                "the socket is closed (by the peer, or shut down after an earlier read failed mid-message)"
+            } else {
+                "the peer closed the socket mid-message"
+            };
             return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, what));
         }
         if have > 0 && fds.len() > before {
@@ -1380,7 +1401,7 @@ pub fn receive_message(
     let mut got = 0;
     while got < len {
         let before = fds.len();
-        let n = receive_some(sock, &mut buf[got..], &mut fds)?;
+        let n = receive_some(sock, &mut buf[got..], &mut fds).map_err(mid)?;
         if n == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
@@ -1405,8 +1426,11 @@ fn receive_some(
 ) -> std::io::Result<usize> {
     use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let fd_bytes = MAX_FDS * std::mem::size_of::<std::ffi::c_int>();
-    // SAFETY: pure arithmetic on a length.
-    let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
+    // Room for the descriptors, and for the credentials the kernel adds on a socket with
+    // `SO_PASSCRED` on. SAFETY: pure arithmetic on lengths.
+    let space =
+        unsafe { libc::CMSG_SPACE(fd_bytes as u32) + libc::CMSG_SPACE(std::mem::size_of::<libc::ucred>() as u32) }
+            as usize;
     let mut control = vec![0u64; space.div_ceil(8)];
     loop {
         let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
@@ -1441,7 +1465,8 @@ fn receive_some(
                 c = libc::CMSG_NXTHDR(&msg, c);
             }
         }
-        if msg.msg_flags & libc::MSG_CTRUNC != 0 {
+        // (The control buffer has some room past `MAX_FDS` descriptors, for credentials.)
+        if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() > MAX_FDS {
             return Err(std::io::Error::other(format!("more than {MAX_FDS} file descriptors: cut short")));
         }
         return Ok(n as usize);

@@ -1,5 +1,5 @@
 //! Second hostile review: `ipc::receive_message` / `receive_some` after commit 95951f7 ("every
-//! read has a control buffer"), over `UnixStream::pair()`. No GPU. `finding_*` tests fail while
+//! read has a control buffer"), over `UnixStream::pair()`. No GPU. tests named for a finding failed while
 //! the bug is there; `held_*` tests checked what held.
 
 use std::io::Write;
@@ -12,7 +12,7 @@ use mempool::ipc;
 mod common;
 use common::sock::{all_writers_closed, pipe, sendmsg_raw};
 
-/// FINDING (low, silent wrong data): `receive_message` reads a frame in several `recvmsg`
+/// Was a finding (low, silent wrong data; fixed: an error mid-frame shuts the socket down for reading): `receive_message` reads a frame in several `recvmsg`
 /// calls; when one of them fails after bytes of the frame were consumed (the socket's read
 /// timeout, or `WouldBlock` on a non-blocking socket: "the socket's own errors, a read timeout
 /// included, as they are"), the bytes read so far, and the descriptors that came with them,
@@ -24,7 +24,7 @@ use common::sock::{all_writers_closed, pipe, sendmsg_raw};
 /// partial frame kept), or an error saying the stream is mid-frame; never a message that was
 /// not sent.
 #[test]
-fn finding_a_retry_after_a_read_timeout_mid_frame_does_not_return_a_message_never_sent() {
+fn a_retry_after_a_read_timeout_mid_frame_does_not_return_a_message_never_sent() {
     let (mut tx, rx) = UnixStream::pair().unwrap();
     rx.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
     let (r, w) = pipe();
@@ -41,8 +41,9 @@ fn finding_a_retry_after_a_read_timeout_mid_frame_does_not_return_a_message_neve
         matches!(kind, Some(std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
         "the first read times out mid-frame: {first:?}"
     );
-    // ...the rest a moment later. The caller retries.
-    tx.write_all(&framed[12..]).unwrap();
+    // ...the rest a moment later (refused: the receiver shut its side after the failed read,
+    // so the sender learns the message was lost). The caller retries.
+    let _ = tx.write_all(&framed[12..]);
     let retry = ipc::receive_message(&rx, 1024);
     // No descriptor leaked either way.
     assert!(all_writers_closed(&r), "the descriptor of the timed-out read leaked");
@@ -58,12 +59,12 @@ fn finding_a_retry_after_a_read_timeout_mid_frame_does_not_return_a_message_neve
     }
 }
 
-/// FINDING (low), the same on a non-blocking socket (an event loop calls `receive_message`
+/// Was a finding (low; fixed the same way), the same on a non-blocking socket (an event loop calls `receive_message`
 /// when the socket is readable): a frame that has partly arrived fails with `WouldBlock`
 /// (ordinary for a non-blocking socket) and its first part is lost; the next call, once the
 /// rest arrived, misreads it.
 #[test]
-fn finding_a_partly_arrived_frame_on_a_nonblocking_socket_is_not_lost() {
+fn a_partly_arrived_frame_on_a_nonblocking_socket_is_not_misread() {
     let (mut tx, rx) = UnixStream::pair().unwrap();
     rx.set_nonblocking(true).unwrap();
     let body: Vec<u8> = [7u64, 2].iter().flat_map(|x| x.to_le_bytes()).collect();
@@ -72,7 +73,7 @@ fn finding_a_partly_arrived_frame_on_a_nonblocking_socket_is_not_lost() {
     tx.write_all(&framed[..12]).unwrap();
     let first = ipc::receive_message(&rx, 1024);
     assert_eq!(first.as_ref().err().map(|e| e.kind()), Some(std::io::ErrorKind::WouldBlock), "{first:?}");
-    tx.write_all(&framed[12..]).unwrap();
+    let _ = tx.write_all(&framed[12..]); // refused once the receiver shut its side
     let retry = ipc::receive_message(&rx, 1024);
     match retry {
         Ok((data, _)) => assert_eq!(data, body, "a message that was never sent"),
@@ -80,14 +81,14 @@ fn finding_a_partly_arrived_frame_on_a_nonblocking_socket_is_not_lost() {
     }
 }
 
-/// FINDING (low, wrong error): the control buffer has room for `MAX_FDS` descriptors and
+/// Was a finding (low, wrong error; fixed: room for the credentials too): the control buffer has room for `MAX_FDS` descriptors and
 /// nothing else. A receiving socket with `SO_PASSCRED` on (a way to authenticate peers; the
 /// kernel then puts an `SCM_CREDENTIALS` message before the descriptors in every read) cannot
 /// take a frame of `MAX_FDS` descriptors, which `send_message` accepts: the kernel cuts the
 /// descriptors short (`MSG_CTRUNC`) and the call fails with "more than 64 file descriptors:
 /// cut short", though 64 were sent. (No leak: checked.)
 #[test]
-fn finding_max_fds_with_so_passcred_is_received() {
+fn max_fds_with_so_passcred_is_received() {
     let (tx, rx) = UnixStream::pair().unwrap();
     rx.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let on: libc::c_int = 1;
