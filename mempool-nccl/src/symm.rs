@@ -112,7 +112,8 @@ const KERNEL_BLOCKS: usize = 64;
 /// thread adds 1 to word `rank*16 + channel` of rank `t`'s pad (a reduction at system scope,
 /// which does not wait for an answer); with `mode & 2` it waits until word `t*16 + channel` of
 /// its own pad differs from its count of signals taken (word `(world + t)*16 + channel`, only
-/// this rank's), then counts one more taken. So a signal is never lost or merged, however many
+/// this rank's), then counts one more taken (a compare-and-swap: of two waits of this rank on
+/// one channel, on two streams at once, one signal lets one through). So a signal is never lost or merged, however many
 /// come before their waits, and a wait that gave up leaves nothing out of step. `put_signal` is
 /// mode 1, `wait_signal` 2, `barrier` 3. With `timeout_ns > 0`, a wait that sees no new signal
 /// for that long (`%globaltimer`) sets `status[t]` to 1 and ends.
@@ -534,7 +535,7 @@ SIG_WAIT:
     mad.lo.u32 %r9, %r9, 16, %r3;
     mul.wide.u32 %rd13, %r9, 4;
     add.u64 %rd13, %rd6, %rd13;
-    ld.global.u32 %r13, [%rd13];
+    ld.relaxed.gpu.global.u32 %r13, [%rd13];
     mov.u64 %rd10, %globaltimer;
 SIG_SPIN:
     ld.acquire.sys.global.u32 %r7, [%rd7];
@@ -552,8 +553,12 @@ SIG_SPIN:
     st.global.u32 [%rd12], %r8;
     bra SIG_DONE;
 SIG_SEEN:
-    add.u32 %r13, %r13, 1;
-    st.global.u32 [%rd13], %r13;
+    add.u32 %r14, %r13, 1;
+    atom.relaxed.gpu.global.cas.b32 %r15, [%rd13], %r13, %r14;
+    setp.eq.u32 %p1, %r15, %r13;
+    @%p1 bra SIG_DONE;
+    mov.u32 %r13, %r15;
+    bra SIG_SPIN;
 SIG_DONE:
     ret;
 }
@@ -590,6 +595,9 @@ pub struct SymmMemory<T> {
     /// Where each rank's allocation is mapped in this process, for this rank's device.
     bases: Vec<u64>,
     kernels: std::sync::OnceLock<Kernels>,
+    /// Per channel, the ranks a timed-out barrier gave up on (its signals sent): the next
+    /// barrier on the channel waits for them only.
+    unfinished: std::sync::Mutex<Vec<Vec<usize>>>,
     _elem: PhantomData<T>,
 }
 
@@ -777,6 +785,7 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
         bytes,
         bases,
         kernels: std::sync::OnceLock::new(),
+        unfinished: std::sync::Mutex::new(vec![Vec::new(); CHANNELS]),
         _elem: PhantomData,
     })
 }
@@ -1250,18 +1259,44 @@ impl<T> SymmMemory<T> {
     /// (collective). One kernel launch (the protocol of [`put_signal`](Self::put_signal) and
     /// [`wait_signal`](Self::wait_signal), signals written by one thread per peer): after it,
     /// every rank's work queued before its barrier is done, its writes visible to every rank.
+    /// After a [`barrier_timeout`](Self::barrier_timeout) on `channel` that gave up on some
+    /// ranks, it finishes that barrier instead (it waits for those ranks, signalling no one
+    /// again: this rank's signals went out already).
     pub fn barrier(&self, channel: usize, stream: &Arc<CudaStream>) -> Result<()> {
         self.check(self.rank, channel, stream)?;
-        self.sync_kernel(channel, None, 3, 0, 0, stream)
+        let late = std::mem::take(&mut self.unfinished.lock().unwrap_or_else(|p| p.into_inner())[channel]);
+        if late.is_empty() {
+            return self.sync_kernel(channel, None, 3, 0, 0, stream);
+        }
+        late.iter().try_for_each(|&r| self.sync_kernel(channel, Some(r), 2, 0, 0, stream))
     }
 
     /// [`barrier`](Self::barrier), waiting at most `timeout` for each rank, and for the barrier
     /// itself: this call returns once the stream's work up to the barrier is done. Errors name
-    /// the ranks that did not arrive in time (a late rank's signal is counted when it comes: a
-    /// later wait on the channel takes it).
+    /// the ranks that did not arrive in time; this rank's signals went out, so the barrier is
+    /// left unfinished, and the next `barrier` or `barrier_timeout` on the channel finishes it
+    /// (waiting for those ranks only) rather than begin another.
     pub fn barrier_timeout(&self, channel: usize, timeout: Duration, stream: &Arc<CudaStream>) -> Result<()> {
         self.check(self.rank, channel, stream)?;
-        self.timed(channel, None, 3, timeout, stream)
+        let mut unfinished = self.unfinished.lock().unwrap_or_else(|p| p.into_inner());
+        let late = if unfinished[channel].is_empty() {
+            self.timed(channel, None, 3, timeout, stream)?
+        } else {
+            let mut still = Vec::new();
+            for &r in &unfinished[channel] {
+                still.extend(self.timed(channel, Some(r), 2, timeout, stream)?);
+            }
+            still
+        };
+        let err = (!late.is_empty()).then(|| {
+            Error::Symmetric(format!(
+                "rank {}: rank(s) {late:?} did not reach the barrier on channel {channel} within {timeout:?} (the \
+                 next barrier on the channel finishes this one)",
+                self.rank
+            ))
+        });
+        unfinished[channel] = late;
+        err.map_or(Ok(()), Err)
     }
 
     /// [`wait_signal`](Self::wait_signal), waiting at most `timeout`; returns once the stream's
@@ -1276,9 +1311,16 @@ impl<T> SymmMemory<T> {
     ) -> Result<()> {
         self.check(src, channel, stream)?;
         self.not_self(src)?;
-        self.timed(channel, Some(src), 2, timeout, stream)
+        if self.timed(channel, Some(src), 2, timeout, stream)?.is_empty() {
+            return Ok(());
+        }
+        Err(Error::Symmetric(format!(
+            "rank {}: rank(s) [{src}] did not signal on channel {channel} within {timeout:?}",
+            self.rank
+        )))
     }
 
+    /// Runs the signal kernel with `timeout` and waits for it: the ranks it gave up on.
     fn timed(
         &self,
         channel: usize,
@@ -1286,29 +1328,21 @@ impl<T> SymmMemory<T> {
         mode: u32,
         timeout: Duration,
         stream: &Arc<CudaStream>,
-    ) -> Result<()> {
+    ) -> Result<Vec<usize>> {
         let ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX).max(1);
         let status = stream.alloc_zeros::<u32>(self.world).map_err(Error::cuda)?;
         {
             let (ptr, _sync) = status.device_ptr(stream);
             self.sync_kernel(channel, peer, mode, ns, ptr, stream)?;
         }
-        let late: Vec<usize> = stream
+        Ok(stream
             .clone_dtoh(&status)
             .map_err(Error::cuda)?
             .iter()
             .enumerate()
             .filter(|(_, &v)| v != 0)
             .map(|(r, _)| r)
-            .collect();
-        if late.is_empty() {
-            return Ok(());
-        }
-        let what = if mode == 2 { "signal" } else { "reach the barrier" };
-        Err(Error::Symmetric(format!(
-            "rank {}: rank(s) {late:?} did not {what} on channel {channel} within {timeout:?}",
-            self.rank
-        )))
+            .collect())
     }
 
     /// Launches the signal kernel: for every peer (`peer: None`) or one, signal (`mode & 1`)
@@ -1492,63 +1526,35 @@ impl SymmMemory<f32> {
     /// rank's data through the peer mappings, writes the sums, and waits for every rank again,
     /// so no rank writes its data before everyone read it. The barriers are inside the kernel
     /// (signal words of their own in the pads), as PyTorch's one-shot does. `out` must hold at
-    /// least [`len`](Self::len) elements, on this rank's device.
+    /// least [`len`](Self::len) elements, on this rank's device, outside this rank's own
+    /// symmetric memory (the other ranks read it meanwhile); an `out` refused for any of these
+    /// still takes part in the barriers, so the other ranks get their sums, and this rank gets
+    /// the error. (A call refused before that, a stream of another device, leaves the other
+    /// ranks waiting in their kernels, as a collective any rank leaves does.)
     pub fn one_shot_all_reduce<O>(&self, out: &mut O, stream: &Arc<CudaStream>) -> Result<()>
     where
         O: DevicePtrMut<f32> + DeviceSlice<f32>,
     {
-        if out.len() < self.len {
-            return Err(Error::BufferTooShort { what: "one_shot_all_reduce", needed: self.len, len: out.len() });
-        }
         self.check(self.rank, 0, stream)?;
         if self.world > 1024 {
             return Err(Error::Symmetric("the one-shot kernel serves at most 1,024 ranks".into()));
         }
         let k = self.kernels(stream)?;
         self.ctx.bind_to_thread().map_err(Error::cuda)?;
+        let len = out.len();
         let (out_ptr, _sync) = out.device_ptr_mut(stream);
-        // The kernel writes `out` through this device's addresses: memory of another device
-        // (a peer's buffer, or its symmetric data through `peer`) is refused.
-        let mut ordinal: i32 = -1;
-        // SAFETY: out-parameter of the attribute's type (an int); any address may be asked about.
-        let asked = unsafe {
-            sys::cuPointerGetAttribute(
-                (&mut ordinal as *mut i32).cast(),
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                out_ptr,
-            )
-        };
-        match usize::try_from(ordinal) {
-            Ok(d) if asked == CUresult::CUDA_SUCCESS && d == self.ctx.ordinal() => {}
-            Ok(found) if asked == CUresult::CUDA_SUCCESS => {
-                return Err(Error::WrongDevice {
-                    what: "one_shot_all_reduce's output",
-                    expected: self.ctx.ordinal(),
-                    found,
-                })
-            }
-            _ => {
-                return Err(Error::Symmetric(format!(
-                    "one_shot_all_reduce's output ({out_ptr:#x}) is not memory the driver knows ({asked:?})"
-                )))
-            }
-        }
+        // An `out` this rank refuses still takes part in the kernel's barriers (the other ranks
+        // wait in them for every rank): the kernel runs with nothing to write, then the error.
+        let refused = self.out_refused(out_ptr, len);
+        let (p_out, n) = if refused.is_some() { (0, 0) } else { (out_ptr, self.len as u64) };
         // Written once by a copy that completed (`kernels` synchronises it): raw addresses, no
         // ordering with their own stream needed.
         let (ptrs, pads) = (k.ptrs.device_ptr_raw(), k.pads.device_ptr_raw());
         // Four elements at a time where every address is 16-byte aligned (the ranks' data
         // always is: each starts a mapping), the rest one at a time.
-        let n4 = if out_ptr % 16 == 0 { self.len as u64 / 4 } else { 0 };
-        let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n, mut p_n4) = (
-            ptrs,
-            pads,
-            self.world as u32,
-            self.rank as u32,
-            (2 * self.world * CHANNELS) as u32,
-            out_ptr,
-            self.len as u64,
-            n4,
-        );
+        let n4 = if p_out % 16 == 0 { n / 4 } else { 0 };
+        let (mut p_ptrs, mut p_pads, mut p_world, mut p_rank, mut p_base, mut p_out, mut p_n, mut p_n4) =
+            (ptrs, pads, self.world as u32, self.rank as u32, (2 * self.world * CHANNELS) as u32, p_out, n, n4);
         let mut params: [*mut std::ffi::c_void; 8] = [
             (&mut p_ptrs as *mut u64).cast(),
             (&mut p_pads as *mut u64).cast(),
@@ -1561,18 +1567,64 @@ impl SymmMemory<f32> {
         ];
         let threads = self.threads();
         // From the length alone: the barriers pair block `b` of every rank, so every rank
-        // launches the same grid whatever its `out` (aligned or not).
+        // launches the same grid whatever its `out` (aligned or not, refused or not).
         let blocks = (self.len.div_ceil(4).div_ceil(threads as usize) as u32).clamp(1, KERNEL_BLOCKS as u32);
         // SAFETY: one_shot_sync_f32 takes (const u64* ptrs, const u64* pads, u32 world, u32 rank,
         // u32 base, float* out, u64 n, u64 n4), the eight parameters above: `ptrs` holds `world`
         // addresses, each the start of a mapping (so 16-byte aligned) of `len` floats this
         // device may read (the peer mappings, alive with `self`), and `pads` each rank's pad,
         // whose words `base + r*KERNEL_SLOTS + b + {0, 64}` (and their counts taken,
-        // `world*KERNEL_SLOTS` after) the kernel uses exist for
-        // `b < blocks <= KERNEL_BLOCKS`; `out` holds at least `len` floats of this device
-        // (borrowed until `_sync` goes, after the launch), 16-byte aligned when `n4 > 0`, and
-        // `4 * n4 <= len`; `threads >= world`.
-        unsafe { self.launch(k.one_shot, blocks, threads, stream, &mut params) }
+        // `world*KERNEL_SLOTS` after) the kernel uses exist for `b < blocks <= KERNEL_BLOCKS`;
+        // with `n > 0`, `out` holds at least `n` floats of this device, none of this rank's
+        // symmetric memory (checked by `out_refused`; borrowed until `_sync` goes, after the
+        // launch), 16-byte aligned when `n4 > 0`, and `4 * n4 <= n`; with `n == 0` it is not
+        // touched; `threads >= world`.
+        unsafe { self.launch(k.one_shot, blocks, threads, stream, &mut params) }?;
+        refused.map_or(Ok(()), Err)
+    }
+
+    /// Why the one-shot cannot write its sums to `len` floats at `out`, if it cannot: too short,
+    /// memory of another device (a peer's buffer, or its data through `peer`), memory the driver
+    /// does not know, or this rank's own symmetric memory (which the other ranks read
+    /// meanwhile).
+    fn out_refused(&self, out: u64, len: usize) -> Option<Error> {
+        if len < self.len {
+            return Some(Error::BufferTooShort { what: "one_shot_all_reduce", needed: self.len, len });
+        }
+        let mut ordinal: i32 = -1;
+        // SAFETY: out-parameter of the attribute's type (an int); any address may be asked about.
+        let asked = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                out,
+            )
+        };
+        match usize::try_from(ordinal) {
+            Ok(d) if asked == CUresult::CUDA_SUCCESS && d == self.ctx.ordinal() => {}
+            Ok(found) if asked == CUresult::CUDA_SUCCESS => {
+                return Some(Error::WrongDevice {
+                    what: "one_shot_all_reduce's output",
+                    expected: self.ctx.ordinal(),
+                    found,
+                })
+            }
+            _ => {
+                return Some(Error::Symmetric(format!(
+                    "one_shot_all_reduce's output ({out:#x}) is not memory the driver knows ({asked:?})"
+                )))
+            }
+        }
+        let own = self.bases[self.rank];
+        let end = out.saturating_add((self.len * 4) as u64);
+        if out < own + self.bytes as u64 && own < end {
+            return Some(Error::Symmetric(
+                "one_shot_all_reduce's output lies in this rank's own symmetric memory, which the other ranks \
+                 read meanwhile"
+                    .into(),
+            ));
+        }
+        None
     }
 }
 
