@@ -1542,10 +1542,25 @@ impl SymmMemory<f32> {
         let k = self.kernels(stream)?;
         self.ctx.bind_to_thread().map_err(Error::cuda)?;
         let len = out.len();
-        let (out_ptr, _sync) = out.device_ptr_mut(stream);
+        // An `out` of another context is refused before cudarc is asked for its address (which
+        // would order it with this stream through events of two contexts, an error cudarc then
+        // keeps in this context).
+        let theirs = out.stream().context();
+        let foreign = (theirs.cu_ctx() != self.ctx.cu_ctx()).then(|| Error::WrongDevice {
+            what: "one_shot_all_reduce's output",
+            expected: self.ctx.ordinal(),
+            found: theirs.ordinal(),
+        });
+        let (out_ptr, _sync) = match foreign {
+            Some(_) => (0, None),
+            None => {
+                let (p, sync) = out.device_ptr_mut(stream);
+                (p, Some(sync))
+            }
+        };
         // An `out` this rank refuses still takes part in the kernel's barriers (the other ranks
         // wait in them for every rank): the kernel runs with nothing to write, then the error.
-        let refused = self.out_refused(out_ptr, len);
+        let refused = foreign.or_else(|| self.out_refused(out_ptr, len));
         let (p_out, n) = if refused.is_some() { (0, 0) } else { (out_ptr, self.len as u64) };
         // Written once by a copy that completed (`kernels` synchronises it): raw addresses, no
         // ordering with their own stream needed.
