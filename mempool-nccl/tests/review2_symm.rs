@@ -95,7 +95,7 @@ fn all_ok<T: std::fmt::Debug>(got: &[std::result::Result<T, String>]) {
 // Counted signals: the "taken" count is a plain load and store
 // ---------------------------------------------------------------------------------------------
 
-/// FINDING (medium, silent loss of synchronisation): `signal_sync` (and the kernels' barriers)
+/// Was a finding (medium, silent loss of synchronisation; fixed: a wait takes its signal with a compare-and-swap): `signal_sync` (and the kernels' barriers)
 /// load this rank's "taken" count once, before spinning (`ld.global.u32 %r13, [%rd13]`),
 /// and store `taken + 1` when the signal word differs (`st.global.u32`): a plain
 /// read-modify-write. Two waits of one rank on the same (peer, channel) in flight at once (two
@@ -150,7 +150,7 @@ fn child_two_concurrent_waits() {
 // A timed-out barrier, retried
 // ---------------------------------------------------------------------------------------------
 
-/// FINDING (low/medium): `barrier_timeout` signals every peer before it waits; when the wait
+/// Was a finding (low/medium; fixed: the next barrier on the channel finishes a timed-out one): `barrier_timeout` signals every peer before it waits; when the wait
 /// times out, the signal stays sent ("a late rank's signal is counted when it comes"). The
 /// natural recovery, retrying the barrier, sends a second signal: the late rank's barrier took
 /// the first, and the second stays in its pad, so the late rank's *next* barrier passes at once,
@@ -207,7 +207,7 @@ fn child_retried_barrier() {
 // one_shot_all_reduce's `out`
 // ---------------------------------------------------------------------------------------------
 
-/// FINDING (medium, silently wrong sums on the other ranks): `one_shot_all_reduce` accepts as
+/// Was a finding (medium, silently wrong sums on the other ranks; fixed: refused): `one_shot_all_reduce` accepts as
 /// `out` this rank's own symmetric data (`symm.peer(symm.rank(), ..)`, the documented way to
 /// reach it, on this device, so the `cuPointerGetAttribute` check passes). The kernel then
 /// writes the sums into the data the peers are reading (its only barrier before the reads is
@@ -258,7 +258,7 @@ fn child_one_shot_into_own_data() {
     all_ok(&got);
 }
 
-/// FINDING (low, hang): a collective whose arguments one rank refuses (here `out` too short:
+/// Was a finding (low, hang; fixed: a refused out still takes part in the barriers): a collective whose arguments one rank refuses (here `out` too short:
 /// `BufferTooShort`, returned before any launch) leaves the other ranks' kernels spinning in
 /// their first barrier forever: their streams never complete, `synchronize` never returns,
 /// and dropping their `SymmMemory` (which synchronises the context) hangs too. The previous
