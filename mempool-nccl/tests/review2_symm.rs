@@ -5,90 +5,24 @@
 //! check what should hold.
 //!
 //! Every body runs in a child process of this test binary (`child_*`, which does nothing unless
-//! `SYMM_REVIEW2_CHILD` is set) that the parent kills at its deadline (at most 45 s): no test
+//! `MEMPOOL_NCCL_PROBE_CHILD` is set, by `common::in_child`) that the parent kills at its deadline (at most 45 s): no test
 //! hangs. Multicast is never created here; NCCL_NVLS_ENABLE is left alone.
 
+mod common;
+use common::{all_ok, in_child, is_child, on_two_gpus, two_gpus};
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::CudaStream;
 use mempool_nccl::symm::{symm_empty, SymmMemory};
-use mempool_nccl::{Communicator, Error};
-
-const CHILD: &str = "SYMM_REVIEW2_CHILD";
-
-fn two_gpus() -> bool {
-    let n = mempool::device_count().expect("a CUDA driver");
-    if n < 2 {
-        eprintln!("{n} GPU(s): these probes need two");
-    }
-    n >= 2
-}
-
-fn is_child() -> bool {
-    std::env::var_os(CHILD).is_some()
-}
-
-/// Runs test `name` of this binary in a child process; kills it at `limit`. Returns
-/// (whether it passed, whether it ran past the limit).
-fn in_child(name: &str, limit: Duration) -> (bool, bool) {
-    let exe = std::env::current_exe().unwrap();
-    let mut c = std::process::Command::new(exe)
-        .args([name, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(status) = c.try_wait().unwrap() {
-            return (status.success(), false);
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            let _ = c.wait();
-            return (false, true);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Runs `f(comm)` on one thread per rank of `all_local(&[0, 1])`; a panic as `Err(message)`.
-fn on_two_gpus<T: Send + 'static>(
-    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
-) -> Vec<std::result::Result<T, String>> {
-    let comms = Communicator::all_local(&[0, 1]).expect("communicators");
-    let f = Arc::new(f);
-    let threads: Vec<_> = comms
-        .into_iter()
-        .map(|c| {
-            let f = f.clone();
-            std::thread::spawn(move || f(c))
-        })
-        .collect();
-    threads
-        .into_iter()
-        .map(|t| {
-            t.join().map_err(|p| {
-                p.downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default()
-            })
-        })
-        .collect()
-}
+use mempool_nccl::Error;
 
 fn fill(symm: &SymmMemory<f32>, stream: &Arc<CudaStream>, value: f32) {
     let host = vec![value; symm.len()];
     let mut mine = symm.peer(symm.rank(), stream).unwrap();
     stream.memcpy_htod(&host, &mut mine).unwrap();
     stream.synchronize().unwrap();
-}
-
-fn all_ok<T: std::fmt::Debug>(got: &[std::result::Result<T, String>]) {
-    for (r, g) in got.iter().enumerate() {
-        assert!(g.is_ok(), "rank {r}: {g:?}");
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,84 +6,18 @@
 //!
 //! Probes that may leave a kernel spinning forever (a barrier some rank never reaches) run
 //! their body in a child process of this test binary (`child_*`, which does nothing unless
-//! `SYMM_ATTACK_CHILD` is set) that the parent kills at a deadline: no test hangs, each ends
+//! `MEMPOOL_NCCL_PROBE_CHILD` is set, by `common::in_child`) that the parent kills at a deadline: no test hangs, each ends
 //! within about a minute. Multicast is never created here; NCCL_NVLS_ENABLE is left alone.
 
+mod common;
+use common::{in_child, is_child, on_two_gpus, two_gpus};
+
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use mempool_nccl::symm::{symm_empty, symm_empty_with, SymmMemory, SymmOptions};
 use mempool_nccl::{Communicator, Error, Id};
-
-const CHILD: &str = "SYMM_ATTACK_CHILD";
-
-fn gpus() -> usize {
-    mempool::device_count().expect("a CUDA driver")
-}
-
-/// Whether this process is a child started by `in_child` (the `child_*` tests run only there).
-fn is_child() -> bool {
-    std::env::var_os(CHILD).is_some()
-}
-
-/// Runs test `name` of this binary in a child process; kills it at `limit`. Returns
-/// (whether it passed, whether it ran past the limit).
-fn in_child(name: &str, limit: Duration) -> (bool, bool) {
-    let exe = std::env::current_exe().unwrap();
-    let mut c = std::process::Command::new(exe)
-        .args([name, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(status) = c.try_wait().unwrap() {
-            return (status.success(), false);
-        }
-        if Instant::now() > deadline {
-            let _ = c.kill();
-            let _ = c.wait();
-            return (false, true);
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn two_gpus() -> bool {
-    let n = gpus();
-    if n < 2 {
-        eprintln!("{n} GPU(s): these probes need two");
-    }
-    n >= 2
-}
-
-/// Runs `f(comm)` on one thread per rank of `all_local(&[0, 1])`; each thread's result, a panic
-/// as `Err(message)`.
-fn on_two_gpus<T: Send + 'static>(
-    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
-) -> Vec<std::result::Result<T, String>> {
-    let comms = Communicator::all_local(&[0, 1]).expect("communicators");
-    let f = Arc::new(f);
-    let threads: Vec<_> = comms
-        .into_iter()
-        .map(|c| {
-            let f = f.clone();
-            std::thread::spawn(move || f(c))
-        })
-        .collect();
-    threads
-        .into_iter()
-        .map(|t| {
-            t.join().map_err(|p| {
-                p.downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_default()
-            })
-        })
-        .collect()
-}
 
 /// Runs `f(comm)` on one thread per rank of a communicator made from an id (the rendezvous
 /// between processes, over abstract sockets), ranks 0 and 1 on GPUs 0 and 1.

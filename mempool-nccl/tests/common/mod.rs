@@ -1,0 +1,82 @@
+//! What the symmetric-memory probes share: running a body in a child process killed at a
+//! deadline (a kernel that may spin forever never hangs the test run), and the two ranks.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mempool_nccl::Communicator;
+
+/// Set in the children `in_child` starts (the `child_*` tests do nothing without it).
+const CHILD: &str = "MEMPOOL_NCCL_PROBE_CHILD";
+
+/// Whether this process is a child started by `in_child`.
+pub(crate) fn is_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+/// Runs test `name` of this binary in a child process; kills it at `limit`. Returns
+/// (whether it passed, whether it ran past the limit).
+pub(crate) fn in_child(name: &str, limit: Duration) -> (bool, bool) {
+    let exe = std::env::current_exe().unwrap();
+    let mut c = std::process::Command::new(exe)
+        .args([name, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(status) = c.try_wait().unwrap() {
+            return (status.success(), false);
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            return (false, true);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Whether this machine has the two GPUs the probes need (says so when not).
+pub(crate) fn two_gpus() -> bool {
+    let n = mempool::device_count().expect("a CUDA driver");
+    if n < 2 {
+        eprintln!("{n} GPU(s): these probes need two");
+    }
+    n >= 2
+}
+
+/// Runs `f(comm)` on one thread per rank of `all_local(&[0, 1])`; each thread's result, a panic
+/// as `Err(message)`.
+pub(crate) fn on_two_gpus<T: Send + 'static>(
+    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
+) -> Vec<std::result::Result<T, String>> {
+    let comms = Communicator::all_local(&[0, 1]).expect("communicators");
+    let f = Arc::new(f);
+    let threads: Vec<_> = comms
+        .into_iter()
+        .map(|c| {
+            let f = f.clone();
+            std::thread::spawn(move || f(c))
+        })
+        .collect();
+    threads
+        .into_iter()
+        .map(|t| {
+            t.join().map_err(|p| {
+                p.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default()
+            })
+        })
+        .collect()
+}
+
+/// Asserts that every rank's thread finished without a panic.
+pub(crate) fn all_ok<T: std::fmt::Debug>(got: &[std::result::Result<T, String>]) {
+    for (r, g) in got.iter().enumerate() {
+        assert!(g.is_ok(), "rank {r}: {g:?}");
+    }
+}
