@@ -1665,8 +1665,37 @@ impl<T> SymmMemory<T> {
     /// Collective: every rank calls it with the communicator the allocation was made with and a
     /// stream of its device; the checks (NCCL's version, the communicator's rank, world and
     /// device) are gathered from every rank before any calls NCCL, so all fail together. The
-    /// window borrows the allocation, which therefore outlives the registration.
-    pub fn register_window<'a>(&'a self, comm: &Communicator, stream: &Arc<CudaStream>) -> Result<SymmWindow<'a, T>> {
+    /// window borrows the allocation mutably, which therefore outlives the registration and is
+    /// used only through the window meanwhile (it dereferences to the allocation): when the
+    /// window goes, nothing else can be queuing work on the memory.
+    ///
+    /// ```compile_fail,E0502
+    /// # fn f(comm: &mempool_nccl::Communicator, stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> mempool_nccl::Result<()> {
+    /// let mut symm = mempool_nccl::symm::symm_empty::<f32>(comm, 1024, stream)?;
+    /// let window = symm.register_window(comm, stream)?;
+    /// symm.barrier(0, stream)?; // error[E0502]: the window borrows `symm` mutably
+    /// window.deregister()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// (Through the window instead, it compiles:)
+    ///
+    /// ```no_run
+    /// # fn f(comm: &mempool_nccl::Communicator, stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> mempool_nccl::Result<()> {
+    /// let mut symm = mempool_nccl::symm::symm_empty::<f32>(comm, 1024, stream)?;
+    /// let window = symm.register_window(comm, stream)?;
+    /// window.barrier(0, stream)?;
+    /// comm.all_reduce_in_place(&mut window.peer(comm.rank(), stream)?, mempool_nccl::ReduceOp::Sum, stream)?;
+    /// window.deregister()?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn register_window<'a>(
+        &'a mut self,
+        comm: &Communicator,
+        stream: &Arc<CudaStream>,
+    ) -> Result<SymmWindow<'a, T>> {
         let local = match crate::alloc::nccl_version() {
             Ok(v) if v < (2, 27, 0) => Err(format!("needs NCCL 2.27 or newer; this is {}.{}.{}", v.0, v.1, v.2)),
             Ok(_) if (comm.rank(), comm.world_size(), comm.device()) != (self.rank, self.world, self.ctx.ordinal()) => {
@@ -1714,7 +1743,7 @@ impl<T> SymmMemory<T> {
 /// leaves the window registered (NCCL lets it go with the communicator) when the communicator
 /// reports an error or is closed, rather than wait for a collective that cannot end.
 pub struct SymmWindow<'a, T> {
-    symm: &'a SymmMemory<T>,
+    symm: &'a mut SymmMemory<T>,
     comm: Arc<crate::handle::CommHandle>,
     /// `None` once deregistered.
     win: Option<usize>,
@@ -1734,16 +1763,35 @@ impl<T> SymmWindow<'_, T> {
 
     fn close(&mut self, careful: bool) -> Result<()> {
         let Some(win) = self.win.take() else { return Ok(()) };
-        let guard = self.comm.lock();
-        let Some(ops) = guard.as_ref() else { return Ok(()) };
-        if careful && ops.async_error().is_err() {
-            return Ok(());
+        {
+            let guard = self.comm.lock();
+            match guard.as_ref() {
+                // Closed: NCCL let the window go with the communicator.
+                None => return Ok(()),
+                // Broken (a rank gone): left registered rather than wait for work that may
+                // never end; NCCL lets it go when the communicator is aborted.
+                Some(ops) if careful && ops.async_error().is_err() => return Ok(()),
+                Some(_) => {}
+            }
         }
+        // The device's work first, outside the communicator's lock (another thread may need it
+        // to queue its part of a collective that work waits for).
         self.symm.ctx.bind_to_thread().map_err(Error::cuda)?;
         self.symm.ctx.synchronize().map_err(Error::cuda)?;
+        let guard = self.comm.lock();
+        let Some(ops) = guard.as_ref() else { return Ok(()) };
         // SAFETY: `win` came from `window_register` on this communicator and is deregistered once
-        // (taken out above); every operation queued on this device so far is done.
+        // (taken out above); every operation queued on this device so far is done, and none
+        // can be queued on the memory meanwhile: the window holds the only borrow of the
+        // allocation, and `self` is being closed (by value, or in `Drop`).
         unsafe { ops.window_deregister(win) }
+    }
+}
+
+impl<T> std::ops::Deref for SymmWindow<'_, T> {
+    type Target = SymmMemory<T>;
+    fn deref(&self) -> &SymmMemory<T> {
+        self.symm
     }
 }
 

@@ -885,18 +885,18 @@ fn child_symmetric_window_rank() {
     let Some(comm) = symm_child(2) else { return };
     let (rank, n) = (comm.rank(), 1usize << 20);
     let stream = comm.context().new_stream().unwrap();
-    let symm = mempool_nccl::symm::symm_empty::<f32>(&comm, n, &stream).unwrap();
+    let mut symm = mempool_nccl::symm::symm_empty::<f32>(&comm, n, &stream).unwrap();
     let vals: Vec<f32> = (0..n).map(|i| ((i % 100) * (rank + 1)) as f32).collect();
     let want: Vec<f32> = (0..n).map(|i| ((i % 100) * 3) as f32).collect();
     stream.memcpy_htod(&vals, &mut symm.peer(rank, &stream).unwrap()).unwrap();
     let window = symm.register_window(&comm, &stream).unwrap();
-    comm.all_reduce_in_place(&mut symm.peer(rank, &stream).unwrap(), ReduceOp::Sum, &stream).unwrap();
-    let got = stream.clone_dtoh(&symm.peer(rank, &stream).unwrap()).unwrap();
+    comm.all_reduce_in_place(&mut window.peer(rank, &stream).unwrap(), ReduceOp::Sum, &stream).unwrap();
+    let got = stream.clone_dtoh(&window.peer(rank, &stream).unwrap()).unwrap();
     assert!(got == want, "rank {rank}: NCCL's sums on the window");
     // The allocation's own kernels on the same memory while it is registered.
-    stream.memcpy_htod(&vals, &mut symm.peer(rank, &stream).unwrap()).unwrap();
+    stream.memcpy_htod(&vals, &mut window.peer(rank, &stream).unwrap()).unwrap();
     let mut out = stream.alloc_zeros::<f32>(n).unwrap();
-    symm.one_shot_all_reduce(&mut out, &stream).unwrap();
+    window.one_shot_all_reduce(&mut out, &stream).unwrap();
     assert!(stream.clone_dtoh(&out).unwrap() == want, "rank {rank}: the one-shot's sums on the window");
     window.deregister().unwrap();
     drop(symm);
@@ -925,13 +925,13 @@ fn child_symmetric_window_threads() {
     on_every_gpu(|comm| {
         let (rank, world, n) = (comm.rank(), comm.world_size(), 1usize << 16);
         let stream = comm.context().new_stream().unwrap();
-        let symm = mempool_nccl::symm::symm_empty::<f32>(&comm, n, &stream).unwrap();
+        let mut symm = mempool_nccl::symm::symm_empty::<f32>(&comm, n, &stream).unwrap();
         let vals: Vec<f32> = (0..n).map(|i| ((i % 100) * (rank + 1)) as f32).collect();
         let want: Vec<f32> = (0..n).map(|i| (1..=world).map(|k| ((i % 100) * k) as f32).sum()).collect();
         stream.memcpy_htod(&vals, &mut symm.peer(rank, &stream).unwrap()).unwrap();
         let window = symm.register_window(&comm, &stream).unwrap();
-        comm.all_reduce_in_place(&mut symm.peer(rank, &stream).unwrap(), ReduceOp::Sum, &stream).unwrap();
-        assert!(stream.clone_dtoh(&symm.peer(rank, &stream).unwrap()).unwrap() == want, "rank {rank}");
+        comm.all_reduce_in_place(&mut window.peer(rank, &stream).unwrap(), ReduceOp::Sum, &stream).unwrap();
+        assert!(stream.clone_dtoh(&window.peer(rank, &stream).unwrap()).unwrap() == want, "rank {rank}");
         window.deregister().unwrap();
     });
 }
