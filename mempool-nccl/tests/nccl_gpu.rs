@@ -743,6 +743,71 @@ fn one_shot_all_reduce_on_one_rank() {
     }
 }
 
+/// The one-shot that pushes (data of at most `PUSH_MAX` bytes) called back to back with no
+/// barrier and no host wait between calls: each rank writes new data right after each call (a
+/// copy in stream order), every call's sums go to their own output and all are checked at the
+/// end; a rank refusing its output in the middle, an input whose bits are all set (read as
+/// NaN), and the receive slots empty (every byte 0xff) afterwards. The size just above
+/// `PUSH_MAX` takes the path with barriers, with no receive slots.
+#[test]
+#[ignore = "needs CUDA GPUs with NCCL"]
+fn one_shot_pushes_back_to_back() {
+    use mempool_nccl::symm::{symm_empty, PUSH_MAX};
+    let results = on_every_gpu(move |comm| {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let stream = comm.context().new_stream().unwrap();
+        let alloc = mempool::Allocator::cuda(comm.device()).unwrap();
+        let _current = alloc.set_stream(&stream).unwrap();
+        for n in [1usize, 5, 64, 4099, PUSH_MAX / 4, PUSH_MAX / 4 + 1] {
+            let g = symm_empty::<f32>(&comm, n, &stream).unwrap();
+            let (_, slots) = g.receive_slots();
+            assert_eq!(slots > 0, n <= PUSH_MAX / 4, "rank {rank}: receive slots for {n} elements");
+            let value = |k: usize, r: usize, i: usize| ((i + 3 * k) % 1000 * (r + 1)) as f32;
+            const CALLS: usize = 31;
+            let refuses = |k: usize| k == 11 && rank == world - 1 && n > 1;
+            let mut outs: Vec<_> = (0..CALLS).map(|_| alloc.alloc::<f32>(n).unwrap()).collect();
+            for (k, out) in outs.iter_mut().enumerate() {
+                let mut vals: Vec<f32> = (0..n).map(|i| value(k, rank, i)).collect();
+                if k == 7 && rank == 0 {
+                    vals[0] = f32::from_bits(u32::MAX);
+                }
+                stream.memcpy_htod(&vals, &mut g.peer(rank, &stream).unwrap()).unwrap();
+                if refuses(k) {
+                    let mut short = alloc.alloc::<f32>(n - 1).unwrap();
+                    assert!(g.one_shot_all_reduce(&mut short, &stream).is_err(), "rank {rank}: too short");
+                } else {
+                    g.one_shot_all_reduce(out, &stream).unwrap();
+                }
+            }
+            stream.synchronize().unwrap();
+            for (k, out) in outs.iter().enumerate() {
+                if refuses(k) {
+                    continue;
+                }
+                let got = stream.clone_dtoh(out).unwrap();
+                for (i, &x) in got.iter().enumerate() {
+                    let want: f32 = (0..world).map(|r| value(k, r, i)).sum();
+                    if k == 7 && i == 0 {
+                        assert!(x.is_nan(), "rank {rank}: an all-ones input sums to NaN, got {x}");
+                    } else {
+                        assert_eq!(x, want, "rank {rank}: {n} elements, call {k}, element {i}");
+                    }
+                }
+            }
+            let (at, bytes) = g.receive_slots();
+            let mut back = vec![0u8; bytes];
+            comm.context().bind_to_thread().unwrap();
+            // SAFETY: reads this rank's own receive slots (`bytes`, mapped for this device) into
+            // `back`, which has room for them; the stream's work is done.
+            let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), at, bytes) };
+            assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+            assert!(back.iter().all(|&b| b == 0xff), "rank {rank}: the receive slots are empty again ({n})");
+        }
+        rank
+    });
+    assert_eq!(results.len(), gpus());
+}
+
 const SYMM_CHILD: &str = "MEMPOOL_SYMM_TEST_CHILD";
 const SYMM_ID: &str = "MEMPOOL_SYMM_TEST_ID";
 
