@@ -556,14 +556,15 @@ fn main() -> ExitCode {
         "sim" => {
             let sim = SimDevice::new(usize::MAX / 2);
             let streams = Streams { default: sim.default_stream(), new: &mut || Ok(sim.new_stream()) };
-            run(Allocator::sim_with(sim.clone(), config), &cmd, rest, streams)
+            // Leaked, so its handles are references as the process-wide CUDA allocator's are.
+            run(Allocator::sim_with(sim.clone(), config).leak(), &cmd, rest, streams)
         }
         // A simulated device whose memory counts as pinned (`SimDevice::pinned`): the pinned
         // allocators' rules and `pinned_*` settings on a machine without a GPU.
         "sim-pinned" => {
             let sim = SimDevice::pinned(usize::MAX / 2);
             let streams = Streams { default: sim.default_stream(), new: &mut || Ok(sim.new_stream()) };
-            run(Allocator::sim_with(sim.clone(), config), &cmd, rest, streams)
+            run(Allocator::sim_with(sim.clone(), config).leak(), &cmd, rest, streams)
         }
         other => Err(format!("unknown backend `{other}`; valid: sim, sim-pinned, host, cuda, pinned")),
     };

@@ -411,3 +411,33 @@ fn pinned_round_power2_leaves_device_allocators_alone() {
     assert_eq!(a.memory_stats().allocated_bytes.all.current, 3072);
     drop(b);
 }
+
+/// `leak`: the allocator keeps working through clones and buffers, outlives every handle (its
+/// cached segments stay on the device after the last handle goes, where an owned allocator's
+/// drop gives them back), and `empty_cache` still releases them.
+#[test]
+fn a_leaked_allocator_outlives_its_handles_and_still_empties_its_cache() {
+    let owned_sim = SimDevice::new(1 << 30);
+    let owned = Allocator::sim(owned_sim.clone());
+    drop(owned.alloc::<u8>(4096).unwrap());
+    drop(owned);
+    assert_eq!(owned_sim.used(), 0, "an owned allocator gives its segments back when dropped");
+
+    let sim = SimDevice::new(1 << 30);
+    let a = Allocator::sim(sim.clone()).leak();
+    let b = a.clone();
+    let x = b.alloc::<u32>(1000).unwrap();
+    drop(b);
+    drop(a);
+    assert_eq!(x.len(), 1000, "a buffer outlives every handle");
+    drop(x);
+    assert_eq!(sim.used(), 2 * MIB, "no handle left, and the cached segment is still there");
+
+    let sim = SimDevice::new(1 << 30);
+    let a = Allocator::sim(sim.clone()).leak().leak();
+    drop(a.alloc::<u8>(512).unwrap());
+    check_invariants(&a, Some(&sim));
+    assert_eq!(a.memory_stats().allocated_bytes.all.current, 0);
+    a.empty_cache().unwrap();
+    assert_eq!(sim.used(), 0, "empty_cache releases the leaked allocator's segments");
+}
