@@ -23,7 +23,8 @@
 //!
 //! **Allocation and rendezvous.** [`symm_empty`] is collective: every rank makes one physical
 //! allocation on its device (`cuMemCreate`: the data, then a signal pad of
-//! `2 world_size × (CHANNELS + 192)` 32-bit words: the channels' and the kernels' signals, counted as sent, then as taken;
+//! `2 world_size × (CHANNELS + 192) + 64` 32-bit words: the channels' and the kernels' signals, counted as sent, then as
+//! taken, and the pushing one-shot's count of calls per block;
 //! then, for data of at most [`PUSH_MAX`] bytes, the one-shot's receive slots: `2 world_size`
 //! times the data's size),
 //! the ranks exchange (process, size, handle, device) and check that every rank asked for the
@@ -107,8 +108,14 @@ fn receive_bytes(data_bytes: usize, world: usize) -> usize {
     data_bytes.saturating_mul(2).saturating_mul(world)
 }
 
-/// Bytes of the signal pad of `world` ranks.
+/// Bytes of the signal pad of `world` ranks: the signal words, then the push kernel's count of
+/// calls per block (`KERNEL_BLOCKS` words).
 fn pad_bytes(world: usize) -> usize {
+    calls_offset(world) + KERNEL_BLOCKS * 4
+}
+
+/// Where in the pad the push kernel's counts of calls per block start (bytes).
+fn calls_offset(world: usize) -> usize {
     world * (2 * (CHANNELS + KERNEL_SLOTS)) * 4
 }
 
@@ -128,8 +135,12 @@ fn pad_bytes(world: usize) -> usize {
 /// `one_shot_push_f32(const u64* ptrs, u32 world, u32 rank, u64 recv, u64 slot, float* out,
 /// u64 n, u64 nv, u32 aligned)`, the one-shot of data of at most [`PUSH_MAX`] bytes, with no
 /// barrier: the data is its own signal. Each rank's mapping holds, after the pad, two receive
-/// sets of `world` slots of `slot` bytes, every word empty ([`EMPTY_BYTE`]) at the start; calls
-/// alternate between the sets (`recv`, from the host's count of calls). Thread `i` (grid-stride
+/// sets of `world` slots of `slot` bytes (`set` bytes a set; the first at `recv`), every word
+/// empty ([`EMPTY_BYTE`]) at the start; calls alternate between the sets: block `b` reads its
+/// count of calls (word `b` at `calls`, in this rank's pad, zero at the start), uses set
+/// `count & 1`, and when every thread of the block is done (`bar.sync`) thread 0 adds one. The
+/// count lives on the device, so calls queued from several threads onto one stream, and calls
+/// replayed from a CUDA graph, alternate as they run. Thread `i` (grid-stride
 /// over the `nv` 16-byte vectors of the data) loads vector `i` of its own data, replaces a word
 /// with every bit set by the canonical NaN (so no value sent is the empty mark; the sum is NaN
 /// either way), stores it (volatile) into slot `rank` of every peer's set, then for each rank in
@@ -140,8 +151,10 @@ fn pad_bytes(world: usize) -> usize {
 /// call `c + 2`, so after its call `c + 1` ended, which needed this rank's data of call `c + 1`,
 /// which this rank sends only after its own call `c` ended (stream order), after it took every
 /// vector of call `c` and emptied its slot. So nothing is overwritten before it is taken, and
-/// nothing is emptied after the next value came. Four-byte words are written whole, so a
-/// vector seen half-written has an empty word and is loaded again.
+/// nothing is emptied after the next value came. This needs each rank's calls to run one after
+/// the other (one stream, or streams ordered by events), as every rank's calls of a collective
+/// must. Four-byte words are written whole, so a vector seen half-written has an empty word and
+/// is loaded again.
 ///
 /// `two_shot_sync_f32(const u64* ptrs, const u64* pads, u32 world, u32 rank, u32 base, u64 v,
 /// u64 cv, u64 tail)`, in place over `4v + tail` floats per rank: a barrier on set 0;
@@ -532,11 +545,12 @@ TC_DONE:
 }
 
 .visible .entry one_shot_push_f32(.param .u64 p_ptrs, .param .u32 p_world, .param .u32 p_rank,
-    .param .u64 p_recv, .param .u64 p_slot, .param .u64 p_out, .param .u64 p_n, .param .u64 p_nv, .param .u32 p_aligned)
+    .param .u64 p_recv, .param .u64 p_slot, .param .u64 p_out, .param .u64 p_n, .param .u64 p_nv, .param .u32 p_aligned,
+    .param .u64 p_set, .param .u64 p_calls)
 {
     .reg .pred %p<8>;
     .reg .b32 %r<24>;
-    .reg .b64 %rd<24>;
+    .reg .b64 %rd<28>;
     .reg .f32 %f<10>;
     ld.param.u64 %rd1, [p_ptrs];
     ld.param.u32 %r1, [p_world];
@@ -547,7 +561,18 @@ TC_DONE:
     ld.param.u64 %rd5, [p_n];
     ld.param.u64 %rd6, [p_nv];
     ld.param.u32 %r3, [p_aligned];
+    ld.param.u64 %rd24, [p_calls];
+    ld.param.u64 %rd25, [p_set];
+    cvta.to.global.u64 %rd24, %rd24;
+    mov.u32 %r5, %ctaid.x;
+    mul.wide.u32 %rd26, %r5, 4;
+    add.u64 %rd24, %rd24, %rd26;
+    ld.volatile.global.u32 %r23, [%rd24];
+    and.b32 %r20, %r23, 1;
+    cvt.u64.u32 %rd26, %r20;
+    mad.lo.u64 %rd2, %rd26, %rd25, %rd2;
     cvta.to.global.u64 %rd1, %rd1;
+    cvta.to.global.u64 %rd4, %rd4;
     mul.wide.u32 %rd7, %r2, 8;
     add.u64 %rd7, %rd1, %rd7;
     ld.global.u64 %rd8, [%rd7];
@@ -562,7 +587,8 @@ TC_DONE:
     mul.lo.u32 %r9, %r7, %r6;
     cvt.u64.u32 %rd11, %r8;
     cvt.u64.u32 %rd12, %r9;
-    setp.ne.u64 %p7, %rd4, 0;
+    ld.param.u64 %rd27, [p_out];
+    setp.ne.u64 %p7, %rd27, 0;
     setp.ne.u32 %p6, %r3, 0;
     mov.u32 %r21, 0xFFFFFFFF;
     mov.u32 %r22, 0x7FC00000;
@@ -660,6 +686,12 @@ PNEXT:
     add.u64 %rd11, %rd11, %rd12;
     bra PV;
 PDONE:
+    bar.sync 0;
+    setp.ne.u32 %p1, %r4, 0;
+    @%p1 bra PRET;
+    add.u32 %r23, %r23, 1;
+    st.volatile.global.u32 [%rd24], %r23;
+PRET:
     ret;
 }
 
@@ -771,8 +803,6 @@ pub struct SymmMemory<T> {
     /// Bytes of the one-shot's receive slots (`2 world` slots of `data_bytes`) after the pad,
     /// or 0: data larger than [`PUSH_MAX`], which the one-shot reads from the peers.
     recv: usize,
-    /// One-shot calls launched with receive slots: their parity picks the slots.
-    pushes: std::sync::atomic::AtomicU64,
     /// Bytes mapped per rank (a multiple of the granularity).
     bytes: usize,
     /// Where each rank's allocation is mapped in this process, for this rank's device.
@@ -944,7 +974,9 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
         })
         .map_err(|e| e.to_string())?;
         let data_bytes = requested.checked_next_multiple_of(128);
-        let recv = data_bytes.map_or(0, |d| receive_bytes(d, world));
+        // Receive slots only where there is a one-shot: `SymmMemory<f32>`.
+        let pushes = std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>();
+        let recv = data_bytes.filter(|_| pushes).map_or(0, |d| receive_bytes(d, world));
         let bytes = data_bytes
             .and_then(|d| d.checked_add(pad))
             .and_then(|b| b.checked_add(recv))
@@ -970,7 +1002,6 @@ pub fn symm_empty_with<T: mempool::AnyBitPattern>(
         len,
         data_bytes,
         recv,
-        pushes: std::sync::atomic::AtomicU64::new(0),
         bytes,
         bases,
         kernels: std::sync::OnceLock::new(),
@@ -1025,13 +1056,15 @@ fn zero_own_pad(base: u64, layout: &Layout, stream: &Arc<CudaStream>) -> Result<
     let pad = base + layout.data_bytes as u64;
     // SAFETY: our own pad, inside the range mapped for this device; the stream is this device's.
     let r = unsafe { sys::cuMemsetD8Async(pad, 0, layout.pad, stream.cu_stream()) };
-    cuda("cuMemsetD8Async", r)?;
-    if layout.recv > 0 {
+    let mut queued = cuda("cuMemsetD8Async", r);
+    if queued.is_ok() && layout.recv > 0 {
         // SAFETY: our own receive slots, after the pad, inside the same mapping.
         let r = unsafe { sys::cuMemsetD8Async(pad + layout.pad as u64, EMPTY_BYTE, layout.recv, stream.cu_stream()) };
-        cuda("cuMemsetD8Async", r)?;
+        queued = cuda("cuMemsetD8Async", r);
     }
-    stream.synchronize().map_err(Error::cuda)
+    // Waited for even after an error: the caller unmaps the range then.
+    let done = stream.synchronize().map_err(Error::cuda);
+    queued.and(done)
 }
 
 /// Every rank in this process (`Communicator::all_local`): handles are shared as they are,
@@ -1123,7 +1156,9 @@ fn same_sizes(sizes: impl Iterator<Item = (u64, u64)>) -> Option<String> {
 }
 
 /// The first word of every rendezvous message, then its round.
-const MAGIC: u64 = u64::from_le_bytes(*b"mpsymm01");
+/// Its version: `02` since the one-shot pushes into receive slots (an older build lays the
+/// allocation out otherwise and runs another one-shot: its ranks must not pair with these).
+const MAGIC: u64 = u64::from_le_bytes(*b"mpsymm02");
 
 /// A rendezvous message: words.
 fn message(words: &[u64]) -> Vec<u8> {
@@ -1659,8 +1694,9 @@ impl<T> SymmMemory<T> {
         512u32.max((self.world as u32).next_multiple_of(32))
     }
 
-    /// This rank's receive slots of the one-shot (address, bytes; 0 bytes above [`PUSH_MAX`]):
-    /// every byte of them is 0xff whenever no one-shot is running. For tests.
+    /// This rank's receive slots of the one-shot (address, bytes; 0 bytes above [`PUSH_MAX`],
+    /// and for types other than `f32`): every byte of them is 0xff when every rank's one-shot
+    /// calls are done (a peer one call ahead may already have pushed into them). For tests.
     #[doc(hidden)]
     pub fn receive_slots(&self) -> (u64, usize) {
         (self.bases[self.rank] + (self.data_bytes + pad_bytes(self.world)) as u64, self.recv)
@@ -1741,8 +1777,16 @@ impl SymmMemory<f32> {
     ///   barrier again (no rank writes its data before everyone read it), as PyTorch's one-shot
     ///   does; the barriers are inside the kernel (signal words of their own in the pads).
     ///
+    /// It is not a barrier: when this rank's call is done, a peer may still be summing (its
+    /// `out` not written yet). A rank's calls must run one after the other (one stream, or
+    /// streams ordered by events; from several threads onto one stream, or replayed from a CUDA
+    /// graph, is fine), as for any collective: calls of one rank running at once on two
+    /// streams pair wrongly with the peers' and may wait forever.
+    ///
     /// `out` must hold at least [`len`](Self::len) elements, on this rank's device, outside this
-    /// rank's own symmetric memory (the other ranks may read it meanwhile); an `out` refused for
+    /// rank's own symmetric memory (the other ranks may read it meanwhile). Its length is its
+    /// `DeviceSlice::len`, trusted as cudarc's own copies and this crate's collectives trust it
+    /// (a type of yours that implements the trait must report its memory truly). An `out` refused for
     /// any of these still takes part (its data sent, the barriers or slots kept in step), so the
     /// other ranks get their sums, and this rank gets the error. (A call refused before that, a
     /// stream of another device, leaves the other ranks waiting in their kernels, as a
@@ -1823,10 +1867,9 @@ impl SymmMemory<f32> {
     /// writes `n` sums to `out` (none with `n == 0`: a refused `out`, which still pushes and
     /// takes, so the other ranks get their sums and the slots stay in step).
     fn launch_push(&self, k: &Kernels, out: u64, n: u64, stream: &Arc<CudaStream>) -> Result<()> {
-        use std::sync::atomic::Ordering;
-        let parity = self.pushes.load(Ordering::Relaxed) & 1;
         let slot = self.data_bytes as u64;
-        let recv = (self.data_bytes + pad_bytes(self.world)) as u64 + parity * self.world as u64 * slot;
+        let recv = (self.data_bytes + pad_bytes(self.world)) as u64;
+        let calls = self.bases[self.rank] + (self.data_bytes + calls_offset(self.world)) as u64;
         let (mut p_ptrs, mut p_world, mut p_rank, mut p_recv, mut p_slot, mut p_out, mut p_n, mut p_nv, mut p_aligned) = (
             k.ptrs.device_ptr_raw(),
             self.world as u32,
@@ -1838,7 +1881,8 @@ impl SymmMemory<f32> {
             self.len.div_ceil(4) as u64,
             u32::from(out % 16 == 0),
         );
-        let mut params: [*mut std::ffi::c_void; 9] = [
+        let (mut p_set, mut p_calls) = (self.world as u64 * slot, calls);
+        let mut params: [*mut std::ffi::c_void; 11] = [
             (&mut p_ptrs as *mut u64).cast(),
             (&mut p_world as *mut u32).cast(),
             (&mut p_rank as *mut u32).cast(),
@@ -1848,24 +1892,26 @@ impl SymmMemory<f32> {
             (&mut p_n as *mut u64).cast(),
             (&mut p_nv as *mut u64).cast(),
             (&mut p_aligned as *mut u32).cast(),
+            (&mut p_set as *mut u64).cast(),
+            (&mut p_calls as *mut u64).cast(),
         ];
         let threads = self.threads();
         let blocks = (self.len.div_ceil(4).div_ceil(threads as usize) as u32).clamp(1, KERNEL_BLOCKS as u32);
         // SAFETY: one_shot_push_f32 takes (const u64* ptrs, u32 world, u32 rank, u64 recv, u64
-        // slot, float* out, u64 n, u64 nv, u32 aligned), the nine parameters above: `ptrs`
-        // holds `world` addresses, each the start of a mapping of `data_bytes + pad + recv`
-        // bytes this device may read and write (the peer mappings, alive with `self`); the
-        // kernel reads `16 nv <= data_bytes` bytes of this rank's data, and writes and reads the
-        // `16 nv` bytes at `recv + r*slot` (`slot = data_bytes`; `recv` the receive set of this
-        // call's parity, `world` slots, inside the mapping) of every mapping, words no other
-        // kernel of this crate touches and that hold the empty mark again when every rank's
-        // call is done; with `out != 0`, `out` holds at least `n` floats of this device, none
-        // of this rank's symmetric memory (checked by `out_refused`, borrowed by the caller
-        // until after the launch), written 16 bytes at a time only where `aligned` says it is
-        // 16-byte aligned; every rank launches the same grid (from the length alone).
-        unsafe { self.launch(k.push, blocks, threads, stream, &mut params) }?;
-        self.pushes.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        // slot, float* out, u64 n, u64 nv, u32 aligned, u64 set, u32* calls), the eleven
+        // parameters above: `ptrs` holds `world` addresses, each the start of a mapping of
+        // `data_bytes + pad + 2 set` bytes this device may read and write (the peer mappings,
+        // alive with `self`); the kernel reads `16 nv <= data_bytes` bytes of this rank's data,
+        // and writes and reads the `16 nv` bytes at `recv + (c & 1) set + r slot` (`slot =
+        // data_bytes`, `set = world slot`) of every mapping, words no other kernel of this crate
+        // touches and that hold the empty mark again when every rank's calls are done; `calls`
+        // is this rank's `KERNEL_BLOCKS` counts in its own pad (`c` is block `b`'s, `b < blocks
+        // <= KERNEL_BLOCKS`), which only this kernel uses; with `out != 0`, `out` holds at
+        // least `n` floats of this device, none of this rank's symmetric memory (checked by
+        // `out_refused`, borrowed by the caller until after the launch), written 16 bytes at a
+        // time only where `aligned` says it is 16-byte aligned; every rank launches the same
+        // grid (from the length alone).
+        unsafe { self.launch(k.push, blocks, threads, stream, &mut params) }
     }
 
     /// Why the one-shot cannot write its sums to `len` floats at `out`, if it cannot: too short,
@@ -2159,7 +2205,11 @@ mod tests {
         assert_eq!(push.matches("st.volatile.global.v4.u32").count(), 2);
         assert!(push.contains("st.volatile.global.v4.u32 [%rd17], {%r21, %r21, %r21, %r21};"));
         assert_eq!(push.matches("ld.volatile.global.v4.u32").count(), 1);
-        assert!(!push.contains("red.") && !push.contains("bar.sync"), "no signal, no barrier");
+        assert!(!push.contains("red."), "no signal");
+        assert_eq!(push.matches("bar.sync").count(), 1, "only before the block's count of calls moves");
+        // The count of calls per block: read at the start, one more at the end, in the pad.
+        assert!(push.contains("ld.volatile.global.u32 %r23, [%rd24];"));
+        assert!(push.contains("st.volatile.global.u32 [%rd24], %r23;"));
     }
 
     /// Receive slots: two sets of one slot per rank up to `PUSH_MAX` bytes of data, none above;
@@ -2170,6 +2220,9 @@ mod tests {
         assert_eq!(receive_bytes(PUSH_MAX, 8), 16 * PUSH_MAX);
         assert_eq!(receive_bytes(PUSH_MAX + 128, 2), 0);
         assert_eq!(receive_bytes(usize::MAX, 2), 0);
-        assert_eq!(pad_bytes(2), 2 * 2 * (CHANNELS + KERNEL_SLOTS) * 4);
+        assert_eq!(pad_bytes(2), 2 * 2 * (CHANNELS + KERNEL_SLOTS) * 4 + KERNEL_BLOCKS * 4);
+        assert_eq!(calls_offset(3), 3 * 2 * (CHANNELS + KERNEL_SLOTS) * 4);
+        // The receive slots after the pad (and after data rounded to 128) stay 16-byte aligned.
+        assert!((1..=1024).all(|w| pad_bytes(w) % 16 == 0));
     }
 }
