@@ -22,6 +22,7 @@
 //! back, and a call that obtained a segment returns only after its `SegmentAlloc` was delivered
 //! (unless another thread was delivering at that moment; it then delivers it).
 
+mod asym;
 mod background;
 mod capture;
 mod events;

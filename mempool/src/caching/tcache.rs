@@ -5,13 +5,16 @@
 //! **Ownership of a cached block.** Each cache has `BINS × PER_BIN` slots, atomic words that
 //! hold a block (its index and whether its segment is split) or 0. Only the owning thread
 //! writes a block into a slot, and only into a slot that is 0; anyone may take a block out,
-//! and only by swapping the slot to 0. So exactly one party gets each block: the owner reusing
+//! and only by swapping the slot to 0 (or, the owner's reuse, by the plain load and store that
+//! [`super::asym`] makes exclusive). So exactly one party gets each block: the owner reusing
 //! it (`take`), the owner evicting it or draining its own cache before it makes a segment
 //! (`put`, `drain_own`), or another thread draining the cache (`drain`, for `empty_cache`,
 //! snapshots, `memory_stats`, the out-of-memory ladder, an exited thread's cache, and the
-//! allocator's `Drop`). The owner's hot path is one plain store (free) or one swap (reuse)
-//! on a cache line no other thread writes unless it drains; the bin keys (stream, pool, bytes
-//! asked for), counts and addresses are the owner's own, in its thread-local storage.
+//! allocator's `Drop`). The owner's hot path is one plain store (free) or, for a reuse, a
+//! plain load and store under the asymmetric protocol of [`super::asym`] (a swap where
+//! `membarrier` is missing), on a cache line no other thread writes unless it drains; the bin
+//! keys (stream, pool, bytes asked for), counts and addresses are the owner's own, in its
+//! thread-local storage.
 //!
 //! Owner invariant: in each bin, the slots at or above the owner's count are 0 (the owner
 //! stores only at its count and then raises it; it lowers the count only after swapping the
@@ -108,6 +111,10 @@ pub(super) struct Shared {
     drains: AtomicU64,
     /// Its thread has exited: the next drain folds its statistics into `retired` and forgets it.
     orphan: AtomicBool,
+    /// The owner is taking a block out with plain accesses ([`super::asym`]).
+    busy: AtomicBool,
+    /// Drains under way on this cache (owners then swap: [`super::asym`]).
+    drainers: AtomicU64,
     pub(super) stats: Arc<ThreadStats>,
 }
 
@@ -118,7 +125,44 @@ impl Shared {
             filled: AtomicBool::new(false),
             drains: AtomicU64::new(0),
             orphan: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
+            drainers: AtomicU64::new(0),
             stats: Arc::new(ThreadStats::default()),
+        }
+    }
+
+    /// The owner takes the block of slot `n` of bin `i` out (0 if a drain took it): with plain
+    /// accesses where `fast` (the asymmetric protocol, [`super::asym`]), else a swap.
+    #[inline(always)]
+    fn take_slot(&self, fast: bool, i: usize, n: usize) -> u64 {
+        let slot = &self.slots[i][n];
+        if !fast {
+            return slot.swap(0, Ordering::Acquire);
+        }
+        self.busy.store(true, Ordering::Relaxed);
+        std::sync::atomic::compiler_fence(Ordering::SeqCst);
+        if self.drainers.load(Ordering::Acquire) != 0 {
+            self.busy.store(false, Ordering::Release);
+            return slot.swap(0, Ordering::Acquire);
+        }
+        let v = slot.load(Ordering::Relaxed);
+        slot.store(0, Ordering::Relaxed);
+        self.busy.store(false, Ordering::Release);
+        v
+    }
+
+    /// A drainer waits until the owner is out of a plain take (see [`super::asym`]; the caller
+    /// raised `drainers` before its heavy fence).
+    fn wait_idle(&self) {
+        let mut spins = 0u32;
+        while self.busy.load(Ordering::Acquire) {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                // The owner was switched out inside its few instructions: let it run.
+                std::thread::yield_now();
+            }
         }
     }
 
@@ -233,6 +277,8 @@ pub(super) struct Owner {
     pub(super) spill: Vec<Cached>,
     /// Puts left before frees are deferred again (after one that was not taken back).
     defer_wait: u32,
+    /// Takes use plain accesses ([`super::asym::on`], read once).
+    fast: bool,
 }
 
 /// Puts counted at once after a deferred free that was not taken back.
@@ -285,6 +331,7 @@ impl Owner {
             deferred_at: (0, 0),
             spill: Vec::new(),
             defer_wait: 0,
+            fast: super::asym::on(),
         }
     }
 
@@ -413,7 +460,7 @@ impl Owner {
         while m.n > 0 {
             m.n -= 1;
             self.bytes -= size;
-            let v = self.shared.slots[i][m.n].swap(0, Ordering::Acquire);
+            let v = self.shared.take_slot(self.fast, i, m.n);
             if v != 0 {
                 let (block, split, uncounted) = (BlockIdx::from_key((v >> 2) as u32), v & 1 == 1, v & UNCOUNTED != 0);
                 let hit = Hit { block, addr: m.addr[m.n], size, small: m.small, split, set: m.set, gen: m.gen };
@@ -777,11 +824,13 @@ impl Registry {
     /// (their statistics go to `retired`).
     pub(super) fn drain_all(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
+        let _draining = Draining::begin(&list);
         list.retain(|c| {
             // Whether its thread had exited, read before the drain: a thread that exits during
             // the drain may have cached a block after the drain passed its slot, and its cache
             // must stay listed for the next drain (forgetting it lost those blocks for good).
             let orphan = c.orphan.load(Ordering::Acquire);
+            c.wait_idle();
             c.drain(into);
             !(orphan && self.retire(c))
         });
@@ -791,7 +840,9 @@ impl Registry {
     /// other thread's cached large block.
     pub(super) fn drain_orphans_and_large(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
+        let _draining = Draining::begin(&list);
         list.retain(|c| {
+            c.wait_idle();
             if !c.orphan.load(Ordering::Acquire) {
                 c.drain_large(into);
                 return true;
@@ -832,9 +883,35 @@ impl Registry {
     /// for it when they next make one).
     pub(super) fn close(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
+        let _draining = Draining::begin(&list);
         for c in list.drain(..) {
             c.filled.store(true, Ordering::Relaxed);
+            c.wait_idle();
             c.drain(into);
+        }
+    }
+}
+
+/// A drain of other threads' caches under way ([`super::asym`]): `drainers` raised on each, then
+/// the heavy fence; lowered again when dropped.
+struct Draining(Vec<Arc<Shared>>);
+
+impl Draining {
+    fn begin(list: &[Arc<Shared>]) -> Draining {
+        for c in list {
+            c.drainers.fetch_add(1, Ordering::SeqCst);
+        }
+        if super::asym::on() && !list.is_empty() {
+            super::asym::heavy();
+        }
+        Draining(list.to_vec())
+    }
+}
+
+impl Drop for Draining {
+    fn drop(&mut self) {
+        for c in &self.0 {
+            c.drainers.fetch_sub(1, Ordering::Release);
         }
     }
 }
