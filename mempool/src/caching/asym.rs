@@ -2,63 +2,141 @@
 //! slot with a plain load and store (no locked instruction), and the rare other thread that
 //! drains the cache pays for both with one `membarrier` system call.
 //!
-//! The owner's take: `busy = true`; (compiler fence); `drainers` read (acquire); if 0, the slot
-//! is read and zeroed with plain accesses, then `busy = false` (release); otherwise the slot is
-//! swapped as before. A drainer: `drainers += 1` on every cache it will touch; [`heavy`]; then,
-//! per cache, it waits until `busy` is false (acquire), swaps the slots, and lowers `drainers`
-//! (release) when done. `heavy` makes every thread of the process run a full memory barrier
+//! The owner's take: `busy = gen` (this process's fork generation, never 0); (compiler fence);
+//! `drainers` read (acquire); if 0, the slot is read and zeroed with plain accesses, then
+//! `busy = 0` (release); otherwise the slot is swapped as before. A drainer: `drainers += 1` on
+//! every cache it will touch; [`heavy`]; then, per cache, it waits while `busy` holds this
+//! generation (acquire), swaps the slots, and lowers `drainers` (release) when done. `heavy`
+//! makes every thread of the process run a full memory barrier
 //! (`MEMBARRIER_CMD_PRIVATE_EXPEDITED`; a thread that is not running gets one when it is
 //! switched in), at one point of its instruction stream. If that point is before the owner's
-//! `busy = true`, the owner's later read of `drainers` sees the drainer's increment and it
-//! swaps; if after, `busy = true` is visible when `heavy` returns and the drainer waits for the
-//! owner's `busy = false`, whose release publishes the zeroed slot. So a block is never both
-//! read by the owner and swapped out by a drainer. An owner that reads `drainers` as 0 after a
+//! `busy = gen`, the owner's later read of `drainers` sees the drainer's increment and it
+//! swaps; if after, `busy` is visible when `heavy` returns and the drainer waits for the
+//! owner's `busy = 0`, whose release publishes the zeroed slot. So a block is never both read
+//! by the owner and swapped out by a drainer. An owner that reads `drainers` as 0 after a
 //! drainer lowered it synchronises with that release and sees the slots the drainer zeroed.
 //!
+//! **Fork.** A child process has only the thread that forked; another thread caught between
+//! `busy = gen` and `busy = 0` would leave its flag set for ever. The child's generation is one
+//! more (a `pthread_atfork` child handler, an atomic add), so a drainer there ignores flags of
+//! the parent's generation (their owners do not exist), while the forking thread's later takes
+//! write the child's.
+//!
+//! **A refused `membarrier`.** The call is registered for once, but a seccomp filter installed
+//! later (a sandbox) can still refuse it. Then owners stop taking with plain accesses ([`fast`]
+//! turns false, and every later take swaps), and drains wait until [`GRACE`] has passed since
+//! then before they look at the `busy` flags: an owner running inside its few instructions
+//! when the mode changed has finished them, or was switched out, which publishes its `busy`
+//! (a context switch is a full barrier). This rests on store buffers draining within that time,
+//! as they do on every CPU this runs on, rather than on an architectural promise; the process
+//! goes on rather than stop. It is said once on standard error.
+//!
 //! Where the kernel has no expedited `membarrier` (or `MEMPOOL_NO_MEMBARRIER` is set, or under
-//! loom or Miri, which cannot model it), [`on`] is false and owners swap, as drainers always do.
-//! (So loom's models check the swapping protocol; `tests/asym_drain.rs` runs owners and
-//! drainers against each other in both modes, and fails when the owner's check is removed.)
+//! loom or Miri, which cannot model it), [`fast`] is false from the start and owners swap, as
+//! drainers always do. (So loom's models check the swapping protocol; `tests/asym_drain.rs` and
+//! `tests/review_asym.rs` run owners and drainers against each other in both modes, across
+//! `fork` and a seccomp filter, and fail when the owner's check is removed.)
 
-/// Whether owners take with plain accesses (decided once per process, before any cache uses
-/// it: both sides read the same answer).
-#[cfg(all(target_os = "linux", not(loom), not(miri)))]
-pub(super) fn on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        if std::env::var_os("MEMPOOL_NO_MEMBARRIER").is_some() {
-            return false;
-        }
-        let supported = membarrier(QUERY);
-        supported > 0
-            && supported & i64::from(PRIVATE_EXPEDITED) != 0
-            && supported & i64::from(REGISTER_PRIVATE_EXPEDITED) != 0
-            && membarrier(REGISTER_PRIVATE_EXPEDITED) == 0
-    })
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// The wait of drains after a refused `membarrier` (see the module).
+pub(super) const GRACE: Duration = Duration::from_millis(20);
+
+/// The mode was on at the start (owners may have taken with plain accesses since).
+static REGISTERED: AtomicBool = AtomicBool::new(false);
+/// Whether owners take with plain accesses now: decided once per process (by [`init`]), and
+/// turned off for good if `membarrier` is ever refused.
+static FAST: AtomicBool = AtomicBool::new(false);
+/// When the mode was turned off after a refusal.
+static OFF_SINCE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+/// This process's fork generation (1 in the first process; one more in each child).
+static GEN: AtomicU64 = AtomicU64::new(1);
+
+/// Whether owners take with plain accesses (read on every take: one load of a line nobody
+/// writes).
+#[inline(always)]
+pub(super) fn fast() -> bool {
+    FAST.load(Ordering::Relaxed)
 }
 
-/// See above: never on this platform.
-#[cfg(not(all(target_os = "linux", not(loom), not(miri))))]
-pub(super) fn on() -> bool {
-    false
+/// The fork generation an owner writes into `busy` (never 0).
+#[inline(always)]
+pub(super) fn generation() -> u64 {
+    GEN.load(Ordering::Relaxed)
 }
 
-/// A full memory barrier on every running thread of the process (see the module). Only called
-/// when [`on`] is true.
-#[cfg(all(target_os = "linux", not(loom), not(miri)))]
-pub(super) fn heavy() {
-    if membarrier(PRIVATE_EXPEDITED) != 0 {
-        // Registered once and for all by `on`: the kernel does not refuse it afterwards. Were it
-        // to, an owner could be reading a slot this drain is about to take: stopping is the
-        // only answer that keeps memory safe.
-        eprintln!("mempool: membarrier failed after registration: {}", std::io::Error::last_os_error());
-        std::process::abort();
+/// Decides the mode, once per process, before any cache is made (`Registry::make` calls it):
+/// every take and every drain afterwards reads the same answer.
+pub(super) fn init() {
+    static DONE: std::sync::Once = std::sync::Once::new();
+    DONE.call_once(|| {
+        let on = register();
+        REGISTERED.store(on, Ordering::Release);
+        FAST.store(on, Ordering::Release);
+    });
+}
+
+/// The drainer's fence, once it has raised the `drainers` count of every cache it will take
+/// from: `membarrier` while the mode is on; after a refusal (this one or an earlier one), the
+/// mode is off and the drain waits until [`GRACE`] has passed since it went off.
+pub(super) fn fence() {
+    if !REGISTERED.load(Ordering::Acquire) {
+        return;
+    }
+    if FAST.load(Ordering::Acquire) && heavy() {
+        return;
+    }
+    let since = *OFF_SINCE.get_or_init(Instant::now);
+    if FAST.swap(false, Ordering::AcqRel) {
+        eprintln!(
+            "mempool: membarrier was refused ({}); thread caches take with atomic swaps from now on",
+            std::io::Error::last_os_error()
+        );
+    }
+    let left = GRACE.saturating_sub(since.elapsed());
+    if !left.is_zero() {
+        std::thread::sleep(left);
     }
 }
 
-/// See above: never called on this platform.
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+fn register() -> bool {
+    if std::env::var_os("MEMPOOL_NO_MEMBARRIER").is_some() {
+        return false;
+    }
+    let supported = membarrier(QUERY);
+    let ok = supported > 0
+        && supported & i64::from(PRIVATE_EXPEDITED) != 0
+        && supported & i64::from(REGISTER_PRIVATE_EXPEDITED) != 0
+        && membarrier(REGISTER_PRIVATE_EXPEDITED) == 0;
+    // SAFETY: registers a child handler that only adds to an atomic (async-signal-safe, as a
+    // fork child handler must be); the function lives as long as the program.
+    ok && unsafe { libc::pthread_atfork(None, None, Some(forked)) } == 0
+}
+
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+extern "C" fn forked() {
+    GEN.fetch_add(1, Ordering::Relaxed);
+}
+
 #[cfg(not(all(target_os = "linux", not(loom), not(miri))))]
-pub(super) fn heavy() {}
+fn register() -> bool {
+    false
+}
+
+/// A full memory barrier on every running thread of the process (see the module); false if
+/// the kernel refused it.
+#[cfg(all(target_os = "linux", not(loom), not(miri)))]
+fn heavy() -> bool {
+    membarrier(PRIVATE_EXPEDITED) == 0
+}
+
+/// See above: never called with the mode on, on this platform.
+#[cfg(not(all(target_os = "linux", not(loom), not(miri))))]
+fn heavy() -> bool {
+    false
+}
 
 #[cfg(all(target_os = "linux", not(loom), not(miri)))]
 const QUERY: i32 = 0;

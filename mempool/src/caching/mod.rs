@@ -412,7 +412,7 @@ impl DeviceAllocator {
     /// Takes every block out of every thread cache and files it in its free set.
     fn drain_caches(&self) {
         let mut blocks = Vec::new();
-        self.caches.drain_all(&mut blocks);
+        self.caches.drain_all(&mut blocks, self.caches.mine(self.id));
         self.free_cached(blocks);
         // Work a call left queued (see `Locked`'s drop) is delivered before anyone reads.
         if self.has_work.load(Ordering::Acquire) {
@@ -426,7 +426,7 @@ impl DeviceAllocator {
     fn drain_own(&self) {
         let mut blocks = Vec::new();
         self.caches.with_mine(self.id, |o| o.drain_own(&mut blocks));
-        self.caches.drain_orphans_and_large(&mut blocks);
+        self.caches.drain_orphans_and_large(&mut blocks, self.caches.mine(self.id));
         self.free_cached(blocks);
     }
 

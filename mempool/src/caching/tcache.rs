@@ -111,8 +111,9 @@ pub(super) struct Shared {
     drains: AtomicU64,
     /// Its thread has exited: the next drain folds its statistics into `retired` and forgets it.
     orphan: AtomicBool,
-    /// The owner is taking a block out with plain accesses ([`super::asym`]).
-    busy: AtomicBool,
+    /// The owner is taking a block out with plain accesses: its process's fork generation
+    /// while it does, else 0 ([`super::asym`]).
+    busy: AtomicU64,
     /// Drains under way on this cache (owners then swap: [`super::asym`]).
     drainers: AtomicU64,
     pub(super) stats: Arc<ThreadStats>,
@@ -125,37 +126,39 @@ impl Shared {
             filled: AtomicBool::new(false),
             drains: AtomicU64::new(0),
             orphan: AtomicBool::new(false),
-            busy: AtomicBool::new(false),
+            busy: AtomicU64::new(0),
             drainers: AtomicU64::new(0),
             stats: Arc::new(ThreadStats::default()),
         }
     }
 
     /// The owner takes the block of slot `n` of bin `i` out (0 if a drain took it): with plain
-    /// accesses where `fast` (the asymmetric protocol, [`super::asym`]), else a swap.
+    /// accesses while the asymmetric protocol is on ([`super::asym`]), else a swap.
     #[inline(always)]
-    fn take_slot(&self, fast: bool, i: usize, n: usize) -> u64 {
+    fn take_slot(&self, i: usize, n: usize) -> u64 {
         let slot = &self.slots[i][n];
-        if !fast {
+        if !super::asym::fast() {
             return slot.swap(0, Ordering::Acquire);
         }
-        self.busy.store(true, Ordering::Relaxed);
+        self.busy.store(super::asym::generation(), Ordering::Relaxed);
         std::sync::atomic::compiler_fence(Ordering::SeqCst);
         if self.drainers.load(Ordering::Acquire) != 0 {
-            self.busy.store(false, Ordering::Release);
+            self.busy.store(0, Ordering::Release);
             return slot.swap(0, Ordering::Acquire);
         }
         let v = slot.load(Ordering::Relaxed);
         slot.store(0, Ordering::Relaxed);
-        self.busy.store(false, Ordering::Release);
+        self.busy.store(0, Ordering::Release);
         v
     }
 
     /// A drainer waits until the owner is out of a plain take (see [`super::asym`]; the caller
-    /// raised `drainers` before its heavy fence).
+    /// raised `drainers` before its fence). A flag of another fork generation is a parent's
+    /// thread's, which does not exist in this process.
     fn wait_idle(&self) {
         let mut spins = 0u32;
-        while self.busy.load(Ordering::Acquire) {
+        let gen = super::asym::generation();
+        while self.busy.load(Ordering::Acquire) == gen {
             spins += 1;
             if spins < 64 {
                 std::hint::spin_loop();
@@ -186,6 +189,11 @@ impl Shared {
             }
         }
         self.drains.fetch_add(1, Ordering::Release);
+    }
+
+    /// Whether the large bin holds a block now.
+    fn holds_large(&self) -> bool {
+        self.slots[LARGE][0].load(Ordering::Acquire) != 0
     }
 
     /// Takes the cached large block out, if there is one.
@@ -277,8 +285,6 @@ pub(super) struct Owner {
     pub(super) spill: Vec<Cached>,
     /// Puts left before frees are deferred again (after one that was not taken back).
     defer_wait: u32,
-    /// Takes use plain accesses ([`super::asym::on`], read once).
-    fast: bool,
 }
 
 /// Puts counted at once after a deferred free that was not taken back.
@@ -331,7 +337,6 @@ impl Owner {
             deferred_at: (0, 0),
             spill: Vec::new(),
             defer_wait: 0,
-            fast: super::asym::on(),
         }
     }
 
@@ -460,7 +465,7 @@ impl Owner {
         while m.n > 0 {
             m.n -= 1;
             self.bytes -= size;
-            let v = self.shared.take_slot(self.fast, i, m.n);
+            let v = self.shared.take_slot(i, m.n);
             if v != 0 {
                 let (block, split, uncounted) = (BlockIdx::from_key((v >> 2) as u32), v & 1 == 1, v & UNCOUNTED != 0);
                 let hit = Hit { block, addr: m.addr[m.n], size, small: m.small, split, set: m.set, gen: m.gen };
@@ -747,6 +752,8 @@ thread_local! {
 impl Registry {
     /// A new cache, listed.
     pub(super) fn make(&self) -> Owner {
+        // The takes' mode, decided before the first cache exists.
+        super::asym::init();
         let s = Arc::new(Shared::new());
         let mut list = lock(&self.list);
         // Exited threads' caches that hold no block are forgotten here (those with blocks at
@@ -782,6 +789,23 @@ impl Registry {
         mine.retain(|(_, o)| Arc::strong_count(&o.shared) > 1);
         mine.push((id, self.make()));
         mine.len() - 1
+    }
+
+    /// Runs `f` on this thread's cache of allocator `id` if it has one (never makes one).
+    #[cfg(not(loom))]
+    fn with_mine_if_made<R>(&self, id: AllocatorId, f: impl FnOnce(&Owner) -> R) -> Option<R> {
+        MINE.try_with(|m| {
+            let m = m.try_borrow().ok()?;
+            m.iter().find(|(i, _)| *i == id).map(|(_, o)| f(o))
+        })
+        .ok()
+        .flatten()
+    }
+
+    /// Model-checking builds have no thread caches behind the allocator.
+    #[cfg(loom)]
+    fn with_mine_if_made<R>(&self, _id: AllocatorId, _f: impl FnOnce(&Owner) -> R) -> Option<R> {
+        None
     }
 
     /// Model-checking builds have no thread caches behind the allocator.
@@ -822,33 +846,63 @@ impl Registry {
 
     /// Takes every cached block out of every thread cache; forgets the caches of exited threads
     /// (their statistics go to `retired`).
-    pub(super) fn drain_all(&self, into: &mut Vec<Cached>) {
+    pub(super) fn drain_all(&self, into: &mut Vec<Cached>, own: Option<*const Shared>) {
         let mut list = lock(&self.list);
-        let _draining = Draining::begin(&list);
+        // Whether each cache's thread had exited, read before the drain: a thread that exits
+        // during the drain may have cached a block after the drain passed its slot, and its
+        // cache must stay listed for the next drain (forgetting it lost those blocks for good).
+        // Read first, too: an exit publishes everything its thread cached.
+        let orphans: Vec<bool> = list.iter().map(|c| c.orphan.load(Ordering::Acquire)).collect();
+        // The fence covers the live threads' caches that cached something since the last drain
+        // (the others are left: a block cached after this look is as one cached after the
+        // drain), but the caller's own (its owner is here, not taking).
+        let fence = Draining::begin(
+            list.iter()
+                .zip(&orphans)
+                .filter(|(c, &o)| !o && Some(Arc::as_ptr(c)) != own && c.filled.load(Ordering::Acquire))
+                .map(|(c, _)| c),
+        );
+        let mut k = 0;
         list.retain(|c| {
-            // Whether its thread had exited, read before the drain: a thread that exits during
-            // the drain may have cached a block after the drain passed its slot, and its cache
-            // must stay listed for the next drain (forgetting it lost those blocks for good).
-            let orphan = c.orphan.load(Ordering::Acquire);
-            c.wait_idle();
-            c.drain(into);
+            let orphan = orphans[k];
+            k += 1;
+            if orphan || Some(Arc::as_ptr(c)) == own {
+                c.drain(into);
+            } else if fence.covers(c) {
+                c.wait_idle();
+                c.drain(into);
+            }
             !(orphan && self.retire(c))
         });
     }
 
     /// Takes the blocks of exited threads' caches and forgets those caches, and takes every
     /// other thread's cached large block.
-    pub(super) fn drain_orphans_and_large(&self, into: &mut Vec<Cached>) {
+    pub(super) fn drain_orphans_and_large(&self, into: &mut Vec<Cached>, own: Option<*const Shared>) {
         let mut list = lock(&self.list);
-        let _draining = Draining::begin(&list);
+        let orphans: Vec<bool> = list.iter().map(|c| c.orphan.load(Ordering::Acquire)).collect();
+        // The fence covers the live threads' caches that hold a large block now (one cached
+        // after this look is as one cached after the drain), but the caller's own, which it
+        // emptied itself.
+        let fence = Draining::begin(
+            list.iter()
+                .zip(&orphans)
+                .filter(|(c, &o)| !o && Some(Arc::as_ptr(c)) != own && c.holds_large())
+                .map(|(c, _)| c),
+        );
+        let mut k = 0;
         list.retain(|c| {
-            c.wait_idle();
-            if !c.orphan.load(Ordering::Acquire) {
-                c.drain_large(into);
-                return true;
+            let orphan = orphans[k];
+            k += 1;
+            if orphan {
+                c.drain(into);
+                return !self.retire(c);
             }
-            c.drain(into);
-            !self.retire(c)
+            if fence.covers(c) {
+                c.wait_idle();
+                c.drain_large(into);
+            }
+            true
         });
     }
 
@@ -883,28 +937,38 @@ impl Registry {
     /// for it when they next make one).
     pub(super) fn close(&self, into: &mut Vec<Cached>) {
         let mut list = lock(&self.list);
-        let _draining = Draining::begin(&list);
+        // No thread can be taking: a take needs a handle of the allocator, and it is going.
         for c in list.drain(..) {
             c.filled.store(true, Ordering::Relaxed);
-            c.wait_idle();
             c.drain(into);
         }
     }
+
+    /// This thread's cache of allocator `id`, if it has one (to be left out of a drain's fence).
+    pub(super) fn mine(&self, id: AllocatorId) -> Option<*const Shared> {
+        self.with_mine_if_made(id, |o| Arc::as_ptr(&o.shared))
+    }
 }
 
-/// A drain of other threads' caches under way ([`super::asym`]): `drainers` raised on each, then
-/// the heavy fence; lowered again when dropped.
+/// A drain of other threads' caches under way ([`super::asym`]): `drainers` raised on the caches
+/// it will take from, then the fence (none when there is no such cache); lowered again when
+/// dropped.
 struct Draining(Vec<Arc<Shared>>);
 
 impl Draining {
-    fn begin(list: &[Arc<Shared>]) -> Draining {
-        for c in list {
+    fn begin<'a>(caches: impl Iterator<Item = &'a Arc<Shared>>) -> Draining {
+        let chosen: Vec<Arc<Shared>> = caches.cloned().collect();
+        for c in &chosen {
             c.drainers.fetch_add(1, Ordering::SeqCst);
         }
-        if super::asym::on() && !list.is_empty() {
-            super::asym::heavy();
+        if !chosen.is_empty() {
+            super::asym::fence();
         }
-        Draining(list.to_vec())
+        Draining(chosen)
+    }
+
+    fn covers(&self, c: &Arc<Shared>) -> bool {
+        self.0.iter().any(|d| Arc::ptr_eq(d, c))
     }
 }
 
@@ -968,7 +1032,7 @@ mod loom_tests {
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
-                r2.drain_all(&mut got);
+                r2.drain_all(&mut got, None);
                 got
             });
             let mut mine = Vec::new();
@@ -1011,7 +1075,7 @@ mod loom_tests {
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
-                r2.drain_orphans_and_large(&mut got);
+                r2.drain_orphans_and_large(&mut got, None);
                 got
             });
             let mut mine = Vec::new();
@@ -1052,7 +1116,7 @@ mod loom_tests {
             let r2 = reg.clone();
             let drainer = loom::thread::spawn(move || {
                 let mut got = Vec::new();
-                r2.drain_all(&mut got);
+                r2.drain_all(&mut got, None);
                 got
             });
             assert!(own.settle(&board).is_none(), "a default-pool block stays cached");
