@@ -26,7 +26,7 @@
 //! `one_shot_all_reduce`, not tested.)
 
 mod common;
-use common::{all_ok, in_child, is_child, on_two_gpus, two_gpus};
+use common::{all_ok, child_passes, fill, in_child, is_child, on_two_gpus, two_gpus};
 
 use std::collections::HashSet;
 use std::sync::{Arc, Barrier};
@@ -36,14 +36,6 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
 use mempool_nccl::symm::{symm_empty, SymmMemory, PUSH_MAX};
 use mempool_nccl::Error;
-
-fn fill(symm: &SymmMemory<f32>, stream: &Arc<CudaStream>, value: impl Fn(usize) -> f32) {
-    let rank = symm.rank();
-    let host: Vec<f32> = (0..symm.len()).map(value).collect();
-    let mut mine = symm.peer(rank, stream).unwrap();
-    stream.memcpy_htod(&host, &mut mine).unwrap();
-    stream.synchronize().unwrap();
-}
 
 /// This rank's receive slots, copied to the host (a synchronous copy of the driver: it does not
 /// wait for any of this crate's non-blocking streams).
@@ -232,12 +224,11 @@ fn model_sets_off_by_one_deadlock_in_every_interleaving() {
 #[test]
 #[ignore = "needs CUDA GPUs with NCCL"]
 fn finding_two_threads_of_one_rank_keep_the_sets_in_step() {
-    if !two_gpus() {
-        return;
-    }
-    let (passed, timed_out) = in_child("child_two_threads_of_one_rank", Duration::from_secs(60));
-    assert!(!timed_out, "the ranks hung: two concurrent one-shots of rank 0 used one slot set");
-    assert!(passed, "see the child's output");
+    child_passes(
+        "child_two_threads_of_one_rank",
+        Duration::from_secs(60),
+        "the ranks hung: two concurrent one-shots of rank 0 used one slot set",
+    );
 }
 
 #[test]
@@ -305,12 +296,11 @@ fn one_shot_into(symm: &SymmMemory<f32>, sink: &SymmMemory<f32>, stream: &Arc<Cu
 #[test]
 #[ignore = "needs CUDA GPUs with NCCL"]
 fn finding_a_replayed_graph_beside_eager_calls_completes() {
-    if !two_gpus() {
-        return;
-    }
-    let (passed, timed_out) = in_child("child_replayed_graph_beside_eager_calls", Duration::from_secs(45));
-    assert!(!timed_out, "the ranks hung: the graph's replays kept the slot set of the capture");
-    assert!(passed, "see the child's output");
+    child_passes(
+        "child_replayed_graph_beside_eager_calls",
+        Duration::from_secs(45),
+        "the ranks hung: the graph's replays kept the slot set of the capture",
+    );
 }
 
 #[test]
@@ -368,12 +358,11 @@ fn child_replayed_graph_beside_eager_calls() {
 #[test]
 #[ignore = "needs CUDA GPUs with NCCL"]
 fn finding_graph_replays_on_every_rank_survive_time_slicing() {
-    if !two_gpus() {
-        return;
-    }
-    let (passed, timed_out) = in_child("child_graph_replays_under_time_slicing", Duration::from_secs(150));
-    assert!(!timed_out, "a rank hung: a replay's data was overwritten or erased before it was taken");
-    assert!(passed, "see the child's output");
+    child_passes(
+        "child_graph_replays_under_time_slicing",
+        Duration::from_secs(150),
+        "a rank hung: a replay's data was overwritten or erased before it was taken",
+    );
 }
 
 /// Held (the control of the previous test): eager calls, which alternate the sets in stream
@@ -381,12 +370,7 @@ fn finding_graph_replays_on_every_rank_survive_time_slicing() {
 #[test]
 #[ignore = "needs CUDA GPUs with NCCL"]
 fn held_eager_calls_survive_time_slicing() {
-    if !two_gpus() {
-        return;
-    }
-    let (passed, timed_out) = in_child("child_eager_calls_under_time_slicing", Duration::from_secs(150));
-    assert!(!timed_out, "a rank hung");
-    assert!(passed, "see the child's output");
+    child_passes("child_eager_calls_under_time_slicing", Duration::from_secs(150), "a rank hung");
 }
 
 const REPLAYS: usize = 20_000;
@@ -546,12 +530,7 @@ fn child_hog_gpu() {
 #[test]
 #[ignore = "needs CUDA GPUs with NCCL"]
 fn finding_receive_slots_are_empty_when_every_ranks_calls_are_done() {
-    if !two_gpus() {
-        return;
-    }
-    let (passed, timed_out) = in_child("child_peer_one_call_ahead", Duration::from_secs(45));
-    assert!(!timed_out, "hung");
-    assert!(passed, "see the child's output");
+    child_passes("child_peer_one_call_ahead", Duration::from_secs(45), "hung");
 }
 
 #[test]

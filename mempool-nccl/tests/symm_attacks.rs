@@ -10,13 +10,13 @@
 //! within about a minute. Multicast is never created here; NCCL_NVLS_ENABLE is left alone.
 
 mod common;
-use common::{in_child, is_child, on_two_gpus, two_gpus};
+use common::{child_passes, fill, in_child, is_child, on_two_gpus, two_gpus};
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaStream};
-use mempool_nccl::symm::{symm_empty, symm_empty_with, SymmMemory, SymmOptions};
+use cudarc::driver::CudaContext;
+use mempool_nccl::symm::{symm_empty, symm_empty_with, SymmOptions};
 use mempool_nccl::{Communicator, Error, Id};
 
 /// Runs `f(comm)` on one thread per rank of a communicator made from an id (the rendezvous
@@ -33,14 +33,6 @@ fn on_two_id_ranks<T: Send + 'static>(
         })
         .collect();
     threads.into_iter().map(|t| t.join().map_err(|_| "rank thread panicked".to_string())).collect()
-}
-
-fn fill(symm: &SymmMemory<f32>, stream: &Arc<CudaStream>, value: impl Fn(usize) -> f32) {
-    let rank = symm.rank();
-    let host: Vec<f32> = (0..symm.len()).map(value).collect();
-    let mut mine = symm.peer(rank, stream).unwrap();
-    stream.memcpy_htod(&host, &mut mine).unwrap();
-    stream.synchronize().unwrap();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -125,12 +117,11 @@ fn finding_an_overflowing_size_is_an_error_not_a_panic_or_a_tiny_allocation() {
 #[test]
 #[ignore = "needs two CUDA GPUs with NCCL"]
 fn finding_one_rank_with_an_overflowing_size_does_not_hang_the_other() {
-    if !two_gpus() {
-        return;
-    }
-    let (passed, timed_out) = in_child("child_one_rank_with_an_overflowing_size", Duration::from_secs(45));
-    assert!(!timed_out, "a rank waited forever for a rank whose size overflowed");
-    assert!(passed, "see the child's output");
+    child_passes(
+        "child_one_rank_with_an_overflowing_size",
+        Duration::from_secs(45),
+        "a rank waited forever for a rank whose size overflowed",
+    );
 }
 
 #[test]
@@ -192,12 +183,11 @@ fn finding_a_local_error_does_not_break_later_rendezvous() {
 #[test]
 #[ignore = "needs two CUDA GPUs with NCCL"]
 fn finding_one_shot_with_out_aligned_on_one_rank_only_completes() {
-    if !two_gpus() {
-        return;
-    }
-    let (passed, timed_out) = in_child("child_one_shot_with_mixed_out_alignment", Duration::from_secs(45));
-    assert!(!timed_out, "the one-shot all-reduce hung (ranks launched different grids)");
-    assert!(passed, "see the child's output");
+    child_passes(
+        "child_one_shot_with_mixed_out_alignment",
+        Duration::from_secs(45),
+        "the one-shot all-reduce hung (ranks launched different grids)",
+    );
 }
 
 #[test]

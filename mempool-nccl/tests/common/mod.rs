@@ -5,6 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cudarc::driver::CudaStream;
+use mempool_nccl::symm::SymmMemory;
 use mempool_nccl::Communicator;
 
 /// Set in the children `in_child` starts (the `child_*` tests do nothing without it).
@@ -36,6 +38,25 @@ pub(crate) fn in_child(name: &str, limit: Duration) -> (bool, bool) {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A probe's parent test: on a machine with two GPUs, runs child test `name` (see `in_child`)
+/// and asserts it passed within `limit`, saying `hung` if it ran past it.
+pub(crate) fn child_passes(name: &str, limit: Duration, hung: &str) {
+    if !two_gpus() {
+        return;
+    }
+    let (passed, timed_out) = in_child(name, limit);
+    assert!(!timed_out, "{hung}");
+    assert!(passed, "see the child's output");
+}
+
+/// Writes `value(i)` into element `i` of this rank's symmetric data, and waits for it.
+pub(crate) fn fill(symm: &SymmMemory<f32>, stream: &Arc<CudaStream>, value: impl Fn(usize) -> f32) {
+    let host: Vec<f32> = (0..symm.len()).map(value).collect();
+    let mut mine = symm.peer(symm.rank(), stream).unwrap();
+    stream.memcpy_htod(&host, &mut mine).unwrap();
+    stream.synchronize().unwrap();
 }
 
 /// Whether this machine has the two GPUs the probes need (says so when not).
