@@ -281,28 +281,22 @@ int main(int argc, char** argv) {
   std::vector<std::thread> ts;
   for (int r = 0; r < world; r++) ts.emplace_back(rank_main, &sh, r, iters);
   for (auto& t : ts) t.join();
-  printf("# %d GPUs, %d calls, slowest rank's us per call\n%10s", world, iters, "bytes");
-  for (auto n : NAMES) printf(" %10s", n);
-  printf("\n");
-  for (int si = 0; si < 5; si++) {
-    printf("%10ld", SIZES[si]);
-    for (int v = 0; v < 4; v++) {
-      double m = 0;
-      for (int r = 0; r < world; r++) m = std::max(m, sh.us[si][v][r]);
-      printf(" %10.2f", m);
-    }
+  // One table: per size, each variant's slowest rank.
+  auto table = [&](const char* title, double (*us)[8][MAXW]) {
+    printf("%s\n%10s", title, "bytes");
+    for (auto n : NAMES) printf(" %10s", n);
     printf("\n");
-  }
-  printf("# the same from CUDA graphs of 50 calls (GPU time alone)\n%10s", "bytes");
-  for (auto n : NAMES) printf(" %10s", n);
-  printf("\n");
-  for (int si = 0; si < 5; si++) {
-    printf("%10ld", SIZES[si]);
-    for (int v = 0; v < 4; v++) {
-      double m = 0;
-      for (int r = 0; r < world; r++) m = std::max(m, sh.graph_us[si][v][r]);
-      printf(" %10.2f", m);
+    for (int si = 0; si < 5; si++) {
+      printf("%10ld", SIZES[si]);
+      for (int v = 0; v < 4; v++) {
+        double m = 0;
+        for (int r = 0; r < world; r++) m = std::max(m, us[si][v][r]);
+        printf(" %10.2f", m);
+      }
+      printf("\n");
     }
-    printf("\n");
-  }
+  };
+  printf("# %d GPUs, %d calls, slowest rank's us per call\n", world, iters);
+  table("# from a host loop of launches", sh.us);
+  table("# the same from CUDA graphs of 50 calls (GPU time alone)", sh.graph_us);
 }

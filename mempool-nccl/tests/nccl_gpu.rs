@@ -3,6 +3,8 @@
 //! deregistration before every `ncclMemFree`, communicator destruction, and the launcher
 //! environment with two processes.
 
+mod common;
+
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -794,14 +796,8 @@ fn one_shot_pushes_back_to_back() {
                     }
                 }
             }
-            let (at, bytes) = g.receive_slots();
-            let mut back = vec![0u8; bytes];
-            comm.context().bind_to_thread().unwrap();
-            // SAFETY: reads this rank's own receive slots (`bytes`, mapped for this device) into
-            // `back`, which has room for them; the stream's work is done.
-            let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), at, bytes) };
-            assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
-            assert!(back.iter().all(|&b| b == 0xff), "rank {rank}: the receive slots are empty again ({n})");
+            let full = common::receive_slot_bytes_in_use(&g, comm.context());
+            assert_eq!(full, 0, "rank {rank}: the receive slots are empty again ({n})");
         }
         rank
     });

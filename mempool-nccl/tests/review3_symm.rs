@@ -26,7 +26,7 @@
 //! `one_shot_all_reduce`, not tested.)
 
 mod common;
-use common::{all_ok, child_passes, fill, in_child, is_child, on_two_gpus, two_gpus};
+use common::{all_ok, child_passes, fill, in_child, is_child, on_two_gpus, receive_slot_bytes_in_use, two_gpus};
 
 use std::collections::HashSet;
 use std::sync::{Arc, Barrier};
@@ -36,22 +36,6 @@ use cudarc::driver::sys::{self, CUresult};
 use cudarc::driver::{CudaContext, CudaStream};
 use mempool_nccl::symm::{symm_empty, SymmMemory, PUSH_MAX};
 use mempool_nccl::Error;
-
-/// This rank's receive slots, copied to the host (a synchronous copy of the driver: it does not
-/// wait for any of this crate's non-blocking streams).
-fn read_slots<T>(symm: &SymmMemory<T>, ctx: &Arc<CudaContext>) -> Vec<u8> {
-    let (at, bytes) = symm.receive_slots();
-    let mut back = vec![0u8; bytes];
-    if bytes == 0 {
-        return back;
-    }
-    ctx.bind_to_thread().unwrap();
-    // SAFETY: reads this rank's own receive slots (`bytes` bytes, mapped for this device) into
-    // `back`, which has room for them.
-    let r = unsafe { sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), at, bytes) };
-    assert_eq!(r, CUresult::CUDA_SUCCESS);
-    back
-}
 
 // =============================================================================================
 // CPU: what makes the GPU findings reachable from safe code
@@ -565,7 +549,7 @@ fn child_peer_one_call_ahead() {
         assert!(stream.clone_dtoh(&out).unwrap() == want, "rank {rank}: the second call's sums");
         gate.wait();
         // Every rank's calls are done: the slots are empty.
-        let full = read_slots(&symm, comm.context()).iter().filter(|&&b| b != 0xff).count();
+        let full = receive_slot_bytes_in_use(&symm, comm.context());
         assert_eq!(full, 0, "rank {rank}: {full} bytes of the receive slots hold data after every call");
     });
     all_ok(&got);
@@ -690,7 +674,7 @@ fn child_push_sizes() {
             }
             symm.barrier(1, &stream).unwrap();
             stream.synchronize().unwrap();
-            let full = read_slots(&symm, comm.context()).iter().filter(|&&b| b != 0xff).count();
+            let full = receive_slot_bytes_in_use(&symm, comm.context());
             assert_eq!(full, 0, "rank {rank}: receive slots not empty after every rank's calls ({n})");
         }
     });

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaContext, CudaStream};
 use mempool_nccl::symm::SymmMemory;
 use mempool_nccl::Communicator;
 
@@ -57,6 +57,22 @@ pub(crate) fn fill(symm: &SymmMemory<f32>, stream: &Arc<CudaStream>, value: impl
     let mut mine = symm.peer(symm.rank(), stream).unwrap();
     stream.memcpy_htod(&host, &mut mine).unwrap();
     stream.synchronize().unwrap();
+}
+
+/// Bytes of this rank's one-shot receive slots that are not the empty mark (0xff), read with a
+/// synchronous copy of the driver (it waits for none of the crate's non-blocking streams).
+pub(crate) fn receive_slot_bytes_in_use<T>(symm: &SymmMemory<T>, ctx: &Arc<CudaContext>) -> usize {
+    let (at, bytes) = symm.receive_slots();
+    if bytes == 0 {
+        return 0;
+    }
+    let mut back = vec![0u8; bytes];
+    ctx.bind_to_thread().unwrap();
+    // SAFETY: reads this rank's own receive slots (`bytes` bytes, mapped for this device) into
+    // `back`, which has room for them.
+    let r = unsafe { cudarc::driver::sys::cuMemcpyDtoH_v2(back.as_mut_ptr().cast(), at, bytes) };
+    assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS);
+    back.iter().filter(|&&b| b != 0xff).count()
 }
 
 /// Whether this machine has the two GPUs the probes need (says so when not).
