@@ -349,7 +349,7 @@ impl<K: Kind> Allocator<K> {
     ///
     /// Inside a [`MemPool::scope`](crate::MemPool::scope) of this thread on the current stream,
     /// the buffer comes from that pool (the innermost scope wins).
-    #[inline]
+    #[inline(always)]
     pub fn alloc<T: AnyBitPattern>(&self, len: usize) -> Result<Buffer<T, K>> {
         let (stream, pool) = stream::current_with_pool(self.shared.key);
         self.alloc_at(len, stream, pool)
@@ -393,7 +393,7 @@ impl<K: Kind> Allocator<K> {
         self.alloc_at(len, stream::current(self.shared.key), pool)
     }
 
-    #[inline]
+    #[inline(always)]
     fn alloc_at<T>(&self, len: usize, stream: StreamRef, pool: PoolRef) -> Result<Buffer<T, K>> {
         let elem = std::mem::size_of::<T>();
         let bytes = len.checked_mul(elem).ok_or_else(|| Error::SizeOverflow { len, elem_size: elem })?;
@@ -402,7 +402,11 @@ impl<K: Kind> Allocator<K> {
         }
         let key = self.shared.key;
         let req = Request { size: bytes, stream, pool, keep: &|| stream::current_keep(key) };
-        match self.shared.core.malloc(&req) {
+        // The cache's hit builds its buffer apart from the other paths (see `malloc_cached`).
+        if let Some(a) = self.shared.core.malloc_cached(&req) {
+            return Ok(Buffer::new(self.shared.clone(), a, len, stream));
+        }
+        match self.shared.core.malloc_slow(&req) {
             Ok(a) => Ok(Buffer::new(self.shared.clone(), a, len, stream)),
             Err(e) => Err(self.on_error(e)),
         }

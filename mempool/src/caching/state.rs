@@ -681,7 +681,7 @@ impl State {
                         && !p.spec.host_visible
                         && p.spec.map_guard.is_none()
                         && p.pinned == 0)),
-            set: b.set.0,
+            set: u64::from(b.set.0),
             gen: self.sink.gens().get(b.set.0),
         }
     }

@@ -583,7 +583,7 @@ impl Owner {
         #[cfg(loom)]
         assert_eq!(self.shared.slots[i][m.n].swap(word, Ordering::AcqRel), 0, "owner invariant");
         m.addr[m.n] = addr;
-        m.set = a.set;
+        m.set = a.set as u32;
         m.gen = a.gen;
         let slot = m.n;
         m.n += 1;
@@ -743,10 +743,97 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// This thread's caches, one per allocator it used, boxed: [`HOT`]'s address of one stays
+/// good while the list grows.
+#[cfg(not(loom))]
+struct Mine(Vec<(AllocatorId, Box<Owner>)>);
+
+#[cfg(not(loom))]
+impl Drop for Mine {
+    fn drop(&mut self) {
+        // The caches go with the list (the thread is exiting): from here on nothing reaches
+        // them through `HOT`, and no call of this thread uses a cache again.
+        let _ = HOT.try_with(|h| {
+            h.id.set(0);
+            h.owner.set(std::ptr::null_mut());
+            h.busy.set(true);
+        });
+    }
+}
+
+/// The cache this thread used last, reached without the list: a plain thread-local with no
+/// destructor (always there, even while the thread's other locals are destroyed), so the hot
+/// path finds its cache in a few instructions and LLVM inlines all of it.
+#[cfg(not(loom))]
+struct Hot {
+    /// Its allocator's id (0: none; ids start at 1).
+    id: std::cell::Cell<u64>,
+    /// Its address, in `MINE` (null with `id` 0).
+    owner: std::cell::Cell<*mut Owner>,
+    /// A call of this thread is using one of its caches now: no other may (`with_mine` answers
+    /// `None`, as when the thread's locals are gone), so there is never a second reference.
+    busy: std::cell::Cell<bool>,
+}
+
 #[cfg(not(loom))]
 thread_local! {
-    /// This thread's caches, one per allocator it used.
-    static MINE: RefCell<Vec<(AllocatorId, Owner)>> = const { RefCell::new(Vec::new()) };
+    static MINE: RefCell<Mine> = const { RefCell::new(Mine(Vec::new())) };
+    static HOT: Hot = const {
+        Hot { id: std::cell::Cell::new(0), owner: std::cell::Cell::new(std::ptr::null_mut()), busy: std::cell::Cell::new(false) }
+    };
+}
+
+/// This thread's [`HOT`].
+#[cfg(not(loom))]
+#[inline(always)]
+fn hot() -> &'static Hot {
+    // SAFETY: `HOT` has no destructor, so its storage is there for as long as the thread runs,
+    // and the reference never leaves this thread (`Hot` is not `Sync`, and `&Hot` not `Send`).
+    HOT.with(|h| unsafe { &*(h as *const Hot) })
+}
+
+/// Lets go of `HOT`'s `busy` when a use of a cache ends (even by a panic).
+#[cfg(not(loom))]
+struct Unbusy<'a>(&'a Hot);
+
+#[cfg(not(loom))]
+impl Drop for Unbusy<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        self.0.busy.set(false);
+    }
+}
+
+/// This thread's cache of one allocator, held (see [`Registry::mine_cache`]); not `Send`.
+pub(super) struct MineCache<'a> {
+    owner: &'a mut Owner,
+    #[cfg(not(loom))]
+    hot: &'a Hot,
+    #[cfg(loom)]
+    hot: std::marker::PhantomData<*const ()>,
+}
+
+impl Drop for MineCache<'_> {
+    #[inline(always)]
+    fn drop(&mut self) {
+        #[cfg(not(loom))]
+        self.hot.busy.set(false);
+    }
+}
+
+impl std::ops::Deref for MineCache<'_> {
+    type Target = Owner;
+    #[inline(always)]
+    fn deref(&self) -> &Owner {
+        self.owner
+    }
+}
+
+impl std::ops::DerefMut for MineCache<'_> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut Owner {
+        self.owner
+    }
 }
 
 impl Registry {
@@ -766,37 +853,80 @@ impl Registry {
 
     /// Runs `f` on this thread's cache of allocator `id` (made on first use); `None` when this
     /// thread's locals are gone (it is exiting) or in use (a call from inside `f`).
-    #[cfg(not(loom))]
     #[inline(always)]
     pub(super) fn with_mine<R>(&self, id: AllocatorId, f: impl FnOnce(&mut Owner) -> R) -> Option<R> {
+        self.mine_cache(id).map(|mut m| f(&mut m))
+    }
+
+    /// This thread's cache of allocator `id` (made on first use), held until the guard is
+    /// dropped; `None` when this thread's locals are gone (it is exiting) or the cache is held
+    /// already (by a call this one runs inside). The hot path's way in: no closure, so the
+    /// cache's work inlines into its caller.
+    #[cfg(not(loom))]
+    #[inline(always)]
+    pub(super) fn mine_cache(&self, id: AllocatorId) -> Option<MineCache<'_>> {
+        let h = hot();
+        if h.busy.get() {
+            return None;
+        }
+        let p = if h.id.get() == id.0 { h.owner.get() } else { self.find_mine(h, id)? };
+        h.busy.set(true);
+        // SAFETY: `p` is the address of a boxed cache in this thread's `MINE` (`HOT` is set
+        // only to those, and cleared before any of them is dropped: `find_mine`, `Mine::drop`),
+        // so it is alive while the guard is (the guard stays on this thread, and the list drops
+        // nothing but in `find_mine`, which needs `busy` clear, and at the thread's exit); no
+        // other reference to it exists: only this thread reaches it, and `busy` keeps every
+        // other use on this thread out until the guard is dropped.
+        Some(MineCache { owner: unsafe { &mut *p }, hot: h })
+    }
+
+    /// Model-checking builds have no thread caches behind the allocator.
+    #[cfg(loom)]
+    pub(super) fn mine_cache(&self, _id: AllocatorId) -> Option<MineCache<'_>> {
+        None
+    }
+
+    /// This thread's cache of `id`, found in (or added to) the list, and made the hot one;
+    /// `None` once the list is gone (the thread is exiting).
+    #[cfg(not(loom))]
+    #[cold]
+    #[inline(never)]
+    fn find_mine(&self, h: &Hot, id: AllocatorId) -> Option<*mut Owner> {
         MINE.try_with(|m| {
             let mut m = m.try_borrow_mut().ok()?;
-            let i = match m.iter().position(|(i, _)| *i == id) {
+            let i = match m.0.iter().position(|(i, _)| *i == id) {
                 Some(i) => i,
-                None => self.make_mine(&mut m, id),
+                None => {
+                    // Caches of allocators that were dropped (whose registry let go of them)
+                    // go; `HOT` may name one of them, so it is cleared first.
+                    h.id.set(0);
+                    h.owner.set(std::ptr::null_mut());
+                    m.0.retain(|(_, o)| Arc::strong_count(&o.shared) > 1);
+                    m.0.push((id, Box::new(self.make())));
+                    m.0.len() - 1
+                }
             };
-            Some(f(&mut m[i].1))
+            let p: *mut Owner = &mut *m.0[i].1;
+            h.id.set(id.0);
+            h.owner.set(p);
+            Some(p)
         })
         .ok()
         .flatten()
     }
 
-    #[cfg(not(loom))]
-    #[cold]
-    #[inline(never)]
-    fn make_mine(&self, mine: &mut Vec<(AllocatorId, Owner)>, id: AllocatorId) -> usize {
-        // Caches of allocators that were dropped (whose registry let go of them) go.
-        mine.retain(|(_, o)| Arc::strong_count(&o.shared) > 1);
-        mine.push((id, self.make()));
-        mine.len() - 1
-    }
-
     /// Runs `f` on this thread's cache of allocator `id` if it has one (never makes one).
     #[cfg(not(loom))]
     fn with_mine_if_made<R>(&self, id: AllocatorId, f: impl FnOnce(&Owner) -> R) -> Option<R> {
+        let h = hot();
+        if h.busy.get() {
+            return None;
+        }
+        h.busy.set(true);
+        let _unbusy = Unbusy(h);
         MINE.try_with(|m| {
             let m = m.try_borrow().ok()?;
-            m.iter().find(|(i, _)| *i == id).map(|(_, o)| f(o))
+            m.0.iter().find(|(i, _)| *i == id).map(|(_, o)| f(o))
         })
         .ok()
         .flatten()
@@ -805,12 +935,6 @@ impl Registry {
     /// Model-checking builds have no thread caches behind the allocator.
     #[cfg(loom)]
     fn with_mine_if_made<R>(&self, _id: AllocatorId, _f: impl FnOnce(&Owner) -> R) -> Option<R> {
-        None
-    }
-
-    /// Model-checking builds have no thread caches behind the allocator.
-    #[cfg(loom)]
-    pub(super) fn with_mine<R>(&self, _id: AllocatorId, _f: impl FnOnce(&mut Owner) -> R) -> Option<R> {
         None
     }
 
