@@ -103,7 +103,8 @@ fn unpack(v: u64, stats: &Arc<ThreadStats>) -> Cached {
 /// The part of a thread cache other threads reach.
 #[derive(Debug)]
 pub(super) struct Shared {
-    slots: Box<[[AtomicU64; PER_BIN]]>,
+    /// Inline (not a second allocation): one load fewer on the owner's path to a slot.
+    slots: [[AtomicU64; PER_BIN]; BINS + 1],
     /// Set by the owner when it caches a block, cleared by a drain (which then looks at every
     /// slot): a drain skips caches that have cached nothing since the last one.
     filled: AtomicBool,
@@ -122,7 +123,7 @@ pub(super) struct Shared {
 impl Shared {
     fn new() -> Shared {
         Shared {
-            slots: (0..=BINS).map(|_| std::array::from_fn(|_| AtomicU64::new(0))).collect(),
+            slots: std::array::from_fn(|_| std::array::from_fn(|_| AtomicU64::new(0))),
             filled: AtomicBool::new(false),
             drains: AtomicU64::new(0),
             orphan: AtomicBool::new(false),
@@ -257,7 +258,8 @@ const EMPTY: Meta = Meta {
 #[derive(Debug)]
 pub(super) struct Owner {
     shared: Arc<Shared>,
-    meta: Box<[Meta]>,
+    /// Inline: the owner is boxed already (see `Mine`).
+    meta: [Meta; BINS + 1],
     /// Bytes in the bins by the owner's counts (drained blocks included until it recounts).
     bytes: usize,
     /// Drains seen.
@@ -324,7 +326,7 @@ impl Owner {
     pub(super) fn new(shared: Arc<Shared>) -> Owner {
         Owner {
             shared,
-            meta: vec![EMPTY; BINS + 1].into_boxed_slice(),
+            meta: [EMPTY; BINS + 1],
             bytes: 0,
             drains: 0,
             slack: MIN_BYTE_SLACK,
