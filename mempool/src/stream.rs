@@ -54,6 +54,7 @@ thread_local! {
         const { RefCell::new(Tls { streams: Vec::new(), routes: Vec::new(), next_id: 1 }) };
 }
 
+#[inline(always)]
 fn current_of(t: &Tls, key: u64) -> Option<&Current> {
     t.streams.iter().rev().find(|c| c.key == key)
 }

@@ -551,9 +551,14 @@ impl Owner {
         let i = self.bin_for(stream, pool, requested, small);
         self.last = i;
         let m = &mut self.meta[i];
-        // The large bin holds one block: the one before goes back.
-        if m.n > 0 && (i == LARGE || !m.holds(stream, pool, requested)) {
-            // (No deferred free among them: it was settled above.)
+        if i != LARGE && m.keyed(stream, pool, requested) {
+            // This key's bin (the common case: a thread freeing what it allocates again).
+            if m.n == PER_BIN {
+                return false;
+            }
+        } else {
+            // The large bin holds one block, and another key's bin is emptied: the blocks
+            // before go back. (No deferred free among them: it was settled above.)
             for s in &self.shared.slots[i][..m.n] {
                 let v = s.swap(0, Ordering::Acquire);
                 if v != 0 {
@@ -561,11 +566,6 @@ impl Owner {
                 }
             }
             self.bytes -= m.size * m.n;
-            *m = EMPTY;
-        } else if m.n == PER_BIN {
-            return false;
-        }
-        if m.n == 0 && !m.keyed(stream, pool, requested) {
             *m = Meta { stream, pool, size, requested, small, n: 0, addr: [0; PER_BIN], set: 0, gen: 0 };
         }
         // The free is deferred (not counted) unless a deferred free was lately not taken back:
@@ -593,7 +593,7 @@ impl Owner {
         // Always stored (after the slot): a drain that cleared the flag without seeing the slot
         // leaves it set for the next one.
         self.shared.filled.store(true, Ordering::Release);
-        if (size as i64) > self.slack / 2 {
+        if (size as i64) > self.slack >> 1 {
             self.slack = self.slack.max(slack_for(size));
         }
         if defer {
