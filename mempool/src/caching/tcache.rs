@@ -785,12 +785,17 @@ thread_local! {
     };
 }
 
-/// This thread's [`HOT`].
+/// This thread's [`HOT`], for the call that asks (the caller keeps it no longer than its own
+/// call and the `MineCache` guard that borrows its `Registry`).
 #[cfg(not(loom))]
 #[inline(always)]
-fn hot() -> &'static Hot {
-    // SAFETY: `HOT` has no destructor, so its storage is there for as long as the thread runs,
-    // and the reference never leaves this thread (`Hot` is not `Sync`, and `&Hot` not `Send`).
+fn hot<'a>() -> &'a Hot {
+    // SAFETY: the reference stays on this thread (`Hot` is not `Sync`, so `&Hot` and the guard
+    // holding it are not `Send`) and is used only during the caller's call and its guard's
+    // life, which never span a thread-local destructor; `HOT`'s storage outlives every such
+    // use: it has no destructor, so with native thread-locals (Linux, where this runs) it lasts
+    // as long as the thread, and with std's fallback it is freed only by its own destructor
+    // at thread exit, not during another call.
     HOT.with(|h| unsafe { &*(h as *const Hot) })
 }
 
@@ -896,14 +901,16 @@ impl Registry {
     fn find_mine(&self, h: &Hot, id: AllocatorId) -> Option<*mut Owner> {
         MINE.try_with(|m| {
             let mut m = m.try_borrow_mut().ok()?;
+            // Caches of allocators that were dropped (whose registry let go of them) go, at
+            // every switch of the hot cache (a thread that keeps using the allocators it has
+            // does not keep a dropped one's cache); `HOT` may name one of them, so it is
+            // cleared first.
+            h.id.set(0);
+            h.owner.set(std::ptr::null_mut());
+            m.0.retain(|(_, o)| Arc::strong_count(&o.shared) > 1);
             let i = match m.0.iter().position(|(i, _)| *i == id) {
                 Some(i) => i,
                 None => {
-                    // Caches of allocators that were dropped (whose registry let go of them)
-                    // go; `HOT` may name one of them, so it is cleared first.
-                    h.id.set(0);
-                    h.owner.set(std::ptr::null_mut());
-                    m.0.retain(|(_, o)| Arc::strong_count(&o.shared) > 1);
                     m.0.push((id, Box::new(self.make())));
                     m.0.len() - 1
                 }
