@@ -254,14 +254,14 @@ pub(crate) fn oom_wanted() -> bool {
 }
 
 /// Runs `f`, user code of a `tracing` subscriber, as a hook runs: allocating from it is refused
-/// (`Reentrant`), and a panic stays here (its payload forgotten: its own `Drop` could panic
-/// again), so it never unwinds into the allocator, nor out of a `Drop` during an unwind.
+/// (`Reentrant`), and a panic stays here (its payload dropped by `drop_payload`, which keeps
+/// a panic of the payload's own `Drop` in too), so it never unwinds into the allocator, nor out of a `Drop` during an unwind.
 #[cfg(feature = "tracing")]
 pub(crate) fn contained<R>(f: impl FnOnce() -> R) -> Option<R> {
     let was = IN_HOOK.with(|h| h.replace(true));
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     IN_HOOK.with(|h| h.set(was));
-    r.map_err(std::mem::forget).ok()
+    r.map_err(crate::backend::drop_payload).ok()
 }
 
 /// A `tracing` span entered until dropped, its subscriber's calls [`contained`].
@@ -368,8 +368,7 @@ pub(crate) fn deliver(e: &TraceEntry, d: Dispatch) {
         // A panicking callback must not unwind into the allocator (it may be inside `Drop`);
         // the panic is contained here.
         if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| h(&e))) {
-            // Not dropped: a payload's own `Drop` may panic, and that would unwind after all.
-            std::mem::forget(p);
+            crate::backend::drop_payload(p);
         }
     }
     IN_HOOK.with(|f| f.set(was));

@@ -489,6 +489,49 @@ fn a_panic_payload_that_panics_on_drop_escapes_the_pool_allocators_containment()
     assert!(wrong.is_empty(), "{}", wrong.join("; "));
 }
 
+/// The payload of a contained panic (a pool allocator's, a hook's) is dropped, not leaked: a
+/// program whose pool allocator panics now and then does not lose memory each time.
+#[test]
+fn contained_panic_payloads_are_dropped_once() {
+    static DROPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    struct Counted;
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            DROPS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    struct Throws;
+    // SAFETY: never returns an address.
+    unsafe impl RawAllocator for Throws {
+        fn name(&self) -> &str {
+            "throws-counted"
+        }
+        fn alloc(&self, _: usize, _: usize, _: StreamId) -> Result<u64, BackendError> {
+            std::panic::panic_any(Counted)
+        }
+        unsafe fn free(&self, _: u64, _: usize, _: usize, _: StreamId) -> Result<(), BackendError> {
+            Ok(())
+        }
+    }
+    let (dev, a) = sim(1 << 30);
+    let pool = MemPool::on(&a, PoolOptions::new().allocator(Throws)).unwrap();
+    for i in 1..=3 {
+        assert!(matches!(pool.alloc::<u8>(1 << 20), Err(Error::PoolAllocator { .. })));
+        assert_eq!(DROPS.load(std::sync::atomic::Ordering::SeqCst), i, "payload {i} dropped once");
+    }
+    let me = a.id();
+    let hook = trace::attach(move |e| {
+        if e.allocator == me && e.action == Action::Alloc {
+            std::panic::panic_any(Counted);
+        }
+    })
+    .unwrap();
+    drop(a.alloc::<u8>(512).unwrap());
+    drop(hook);
+    assert_eq!(DROPS.load(std::sync::atomic::Ordering::SeqCst), 4, "the hook's payload dropped once");
+    let _ = dev;
+}
+
 /// Trace hooks: "a panicking callback must not unwind into the allocator ... the panic is
 /// contained here" (`trace::deliver`: `let _ = catch_unwind(..)`). The caught payload is dropped
 /// right there; if its `Drop` panics, that panic unwinds out of `deliver`, out of `flush`, and

@@ -389,10 +389,17 @@ pub(crate) fn contain<T>(what: &str, f: impl FnOnce() -> Result<T, BackendError>
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "a non-string payload".into());
-            // Not dropped: a payload's own `Drop` may panic, and that would unwind after all.
-            std::mem::forget(p);
+            drop_payload(p);
             Err(BackendError::Failed(format!("{what} panicked: {msg}")))
         }
+    }
+}
+
+/// Drops a caught panic's payload without unwinding: a payload whose own `Drop` panics leaves
+/// that second payload leaked (only it), so nothing unwinds into the caller after all.
+pub(crate) fn drop_payload(p: Box<dyn std::any::Any + Send>) {
+    if let Err(again) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(p))) {
+        std::mem::forget(again);
     }
 }
 

@@ -125,7 +125,7 @@ impl DeviceAllocator {
             if let Err(payload) = ran {
                 // Not expected; if it happens, the allocations process events again rather than
                 // leave freed blocks waiting for a thread that is gone.
-                std::mem::forget(payload);
+                crate::backend::drop_payload(payload);
                 parts.state.lock().unwrap_or_else(PoisonError::into_inner).background = false;
             }
         });

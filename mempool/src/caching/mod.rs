@@ -526,7 +526,7 @@ impl DeviceAllocator {
                     // One item's panic (a pool allocator's `Drop`, a panic payload that panics on
                     // drop) must not lose the items after it.
                     if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(w))) {
-                        std::mem::forget(p);
+                        crate::backend::drop_payload(p);
                     }
                 }
                 let ours = target.max(self.nested_target.load(Ordering::Acquire));
@@ -1528,7 +1528,7 @@ impl Drop for DeviceAllocator {
                 }
                 for w in work {
                     if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.run(w))) {
-                        std::mem::forget(p);
+                        crate::backend::drop_payload(p);
                     }
                 }
             }
