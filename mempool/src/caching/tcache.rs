@@ -799,33 +799,37 @@ fn hot<'a>() -> &'a Hot {
     HOT.with(|h| unsafe { &*(h as *const Hot) })
 }
 
-/// Lets go of `HOT`'s `busy` when a use of a cache ends (even by a panic).
+/// `HOT`'s `busy` mark, held: let go when dropped (even by a panic).
 #[cfg(not(loom))]
-struct Unbusy<'a>(&'a Hot);
+struct Busy<'a>(&'a Hot);
 
 #[cfg(not(loom))]
-impl Drop for Unbusy<'_> {
+impl<'a> Busy<'a> {
+    /// Marks this thread's caches in use, unless a call of this thread holds them already.
+    #[inline(always)]
+    fn hold(h: &'a Hot) -> Option<Busy<'a>> {
+        if h.busy.get() {
+            return None;
+        }
+        h.busy.set(true);
+        Some(Busy(h))
+    }
+}
+
+#[cfg(not(loom))]
+impl Drop for Busy<'_> {
     #[inline(always)]
     fn drop(&mut self) {
         self.0.busy.set(false);
     }
 }
 
-/// This thread's cache of one allocator, held (see [`Registry::mine_cache`]); not `Send`.
+/// This thread's cache of one allocator, held (see [`Registry::mine_cache`]) until dropped;
+/// not `Send`.
 pub(super) struct MineCache<'a> {
     owner: &'a mut Owner,
     #[cfg(not(loom))]
-    hot: &'a Hot,
-    #[cfg(loom)]
-    hot: std::marker::PhantomData<*const ()>,
-}
-
-impl Drop for MineCache<'_> {
-    #[inline(always)]
-    fn drop(&mut self) {
-        #[cfg(not(loom))]
-        self.hot.busy.set(false);
-    }
+    _busy: Busy<'a>,
 }
 
 impl std::ops::Deref for MineCache<'_> {
@@ -873,18 +877,16 @@ impl Registry {
     #[inline(always)]
     pub(super) fn mine_cache(&self, id: AllocatorId) -> Option<MineCache<'_>> {
         let h = hot();
-        if h.busy.get() {
-            return None;
-        }
+        let busy = Busy::hold(h)?;
         let p = if h.id.get() == id.0 { h.owner.get() } else { self.find_mine(h, id)? };
-        h.busy.set(true);
         // SAFETY: `p` is the address of a boxed cache in this thread's `MINE` (`HOT` is set
         // only to those, and cleared before any of them is dropped: `find_mine`, `Mine::drop`),
         // so it is alive while the guard is (the guard stays on this thread, and the list drops
-        // nothing but in `find_mine`, which needs `busy` clear, and at the thread's exit); no
-        // other reference to it exists: only this thread reaches it, and `busy` keeps every
-        // other use on this thread out until the guard is dropped.
-        Some(MineCache { owner: unsafe { &mut *p }, hot: h })
+        // caches only in `find_mine`, which runs here before the guard exists, and at the
+        // thread's exit); no other reference to it exists: only this thread reaches it, and the
+        // `busy` mark this call holds keeps every other use on this thread out until the guard
+        // is dropped.
+        Some(MineCache { owner: unsafe { &mut *p }, _busy: busy })
     }
 
     /// Model-checking builds have no thread caches behind the allocator.
@@ -927,12 +929,7 @@ impl Registry {
     /// Runs `f` on this thread's cache of allocator `id` if it has one (never makes one).
     #[cfg(not(loom))]
     fn with_mine_if_made<R>(&self, id: AllocatorId, f: impl FnOnce(&Owner) -> R) -> Option<R> {
-        let h = hot();
-        if h.busy.get() {
-            return None;
-        }
-        h.busy.set(true);
-        let _unbusy = Unbusy(h);
+        let _busy = Busy::hold(hot())?;
         MINE.try_with(|m| {
             let m = m.try_borrow().ok()?;
             m.0.iter().find(|(i, _)| *i == id).map(|(_, o)| f(o))
