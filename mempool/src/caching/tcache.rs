@@ -756,32 +756,47 @@ impl Drop for Mine {
         // The caches go with the list (the thread is exiting): from here on nothing reaches
         // them through `HOT`, and no call of this thread uses a cache again.
         let _ = HOT.try_with(|h| {
-            h.id.set(0);
-            h.owner.set(std::ptr::null_mut());
+            h.clear();
             h.busy.set(true);
         });
     }
 }
 
-/// The cache this thread used last, reached without the list: a plain thread-local with no
-/// destructor (always there, even while the thread's other locals are destroyed), so the hot
-/// path finds its cache in a few instructions and LLVM inlines all of it.
+/// The two caches this thread switched to last (a thread that allocates pinned staging buffers
+/// and device buffers in turn finds both), reached without the list: a plain thread-local with
+/// no destructor (always there, even while the thread's other locals are destroyed), so the
+/// hot path finds its cache in a few instructions and LLVM inlines all of it.
 #[cfg(not(loom))]
 struct Hot {
-    /// Its allocator's id (0: none; ids start at 1).
-    id: std::cell::Cell<u64>,
-    /// Its address, in `MINE` (null with `id` 0).
-    owner: std::cell::Cell<*mut Owner>,
+    /// Their allocators' ids (0: none; ids start at 1), the newer first.
+    ids: [std::cell::Cell<u64>; 2],
+    /// Their addresses, in `MINE` (null with id 0).
+    owners: [std::cell::Cell<*mut Owner>; 2],
     /// A call of this thread is using one of its caches now: no other may (`with_mine` answers
     /// `None`, as when the thread's locals are gone), so there is never a second reference.
     busy: std::cell::Cell<bool>,
 }
 
 #[cfg(not(loom))]
+impl Hot {
+    /// Forgets both caches (before any cache is dropped).
+    fn clear(&self) {
+        for (id, owner) in self.ids.iter().zip(&self.owners) {
+            id.set(0);
+            owner.set(std::ptr::null_mut());
+        }
+    }
+}
+
+#[cfg(not(loom))]
 thread_local! {
     static MINE: RefCell<Mine> = const { RefCell::new(Mine(Vec::new())) };
     static HOT: Hot = const {
-        Hot { id: std::cell::Cell::new(0), owner: std::cell::Cell::new(std::ptr::null_mut()), busy: std::cell::Cell::new(false) }
+        Hot {
+            ids: [std::cell::Cell::new(0), std::cell::Cell::new(0)],
+            owners: [std::cell::Cell::new(std::ptr::null_mut()), std::cell::Cell::new(std::ptr::null_mut())],
+            busy: std::cell::Cell::new(false),
+        }
     };
 }
 
@@ -878,7 +893,13 @@ impl Registry {
     pub(super) fn mine_cache(&self, id: AllocatorId) -> Option<MineCache<'_>> {
         let h = hot();
         let busy = Busy::hold(h)?;
-        let p = if h.id.get() == id.0 { h.owner.get() } else { self.find_mine(h, id)? };
+        let p = if h.ids[0].get() == id.0 {
+            h.owners[0].get()
+        } else if h.ids[1].get() == id.0 {
+            h.owners[1].get()
+        } else {
+            self.find_mine(h, id)?
+        };
         // SAFETY: `p` is the address of a boxed cache in this thread's `MINE` (`HOT` is set
         // only to those, and cleared before any of them is dropped: `find_mine`, `Mine::drop`),
         // so it is alive while the guard is (the guard stays on this thread, and the list drops
@@ -895,8 +916,9 @@ impl Registry {
         None
     }
 
-    /// This thread's cache of `id`, found in (or added to) the list, and made the hot one;
-    /// `None` once the list is gone (the thread is exiting).
+    /// This thread's cache of `id`, found in (or added to) the list, and made the newer hot
+    /// one (the newer before becomes the older); `None` once the list is gone (the thread is
+    /// exiting).
     #[cfg(not(loom))]
     #[cold]
     #[inline(never)]
@@ -904,11 +926,11 @@ impl Registry {
         MINE.try_with(|m| {
             let mut m = m.try_borrow_mut().ok()?;
             // Caches of allocators that were dropped (whose registry let go of them) go, at
-            // every switch of the hot cache (a thread that keeps using the allocators it has
-            // does not keep a dropped one's cache); `HOT` may name one of them, so it is
-            // cleared first.
-            h.id.set(0);
-            h.owner.set(std::ptr::null_mut());
+            // every switch to a cache `HOT` does not name (a thread that keeps using the
+            // allocators it has does not keep a dropped one's cache); `HOT` may name one of
+            // them, so it is cleared first, and its newer cache named again only if it stayed.
+            let newer = h.ids[0].get();
+            h.clear();
             m.0.retain(|(_, o)| Arc::strong_count(&o.shared) > 1);
             let i = match m.0.iter().position(|(i, _)| *i == id) {
                 Some(i) => i,
@@ -917,9 +939,13 @@ impl Registry {
                     m.0.len() - 1
                 }
             };
+            if let Some((k, o)) = m.0.iter_mut().find(|(k, _)| k.0 == newer) {
+                h.ids[1].set(k.0);
+                h.owners[1].set(&mut **o);
+            }
             let p: *mut Owner = &mut *m.0[i].1;
-            h.id.set(id.0);
-            h.owner.set(p);
+            h.ids[0].set(id.0);
+            h.owners[0].set(p);
             Some(p)
         })
         .ok()
