@@ -22,16 +22,7 @@ fn gpus() -> usize {
 /// Runs `f(comm)` on one thread per local GPU, communicators from `ncclCommInitAll`.
 fn on_every_gpu<T: Send + 'static>(f: impl Fn(Communicator) -> T + Send + Sync + 'static) -> Vec<T> {
     let devices: Vec<usize> = (0..gpus()).collect();
-    let comms = Communicator::all_local(&devices).expect("communicators");
-    let f = Arc::new(f);
-    let threads: Vec<_> = comms
-        .into_iter()
-        .map(|c| {
-            let f = f.clone();
-            std::thread::spawn(move || f(c))
-        })
-        .collect();
-    threads.into_iter().map(|t| t.join().expect("rank thread")).collect()
+    common::on_gpus(&devices, f).into_iter().map(|r| r.unwrap_or_else(|p| panic!("rank thread: {p}"))).collect()
 }
 
 #[with_pool(pool)]

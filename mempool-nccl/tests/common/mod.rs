@@ -89,7 +89,16 @@ pub(crate) fn two_gpus() -> bool {
 pub(crate) fn on_two_gpus<T: Send + 'static>(
     f: impl Fn(Communicator) -> T + Send + Sync + 'static,
 ) -> Vec<std::result::Result<T, String>> {
-    let comms = Communicator::all_local(&[0, 1]).expect("communicators");
+    on_gpus(&[0, 1], f)
+}
+
+/// Runs `f(comm)` on one thread per rank of `all_local(devices)`; each thread's result, a panic
+/// as `Err(message)`.
+pub(crate) fn on_gpus<T: Send + 'static>(
+    devices: &[usize],
+    f: impl Fn(Communicator) -> T + Send + Sync + 'static,
+) -> Vec<std::result::Result<T, String>> {
+    let comms = Communicator::all_local(devices).expect("communicators");
     let f = Arc::new(f);
     let threads: Vec<_> = comms
         .into_iter()
