@@ -479,19 +479,24 @@ impl ThreadStats {
         let g = board.g[e].fetch_add(d, Ordering::Relaxed) + d;
         self.committed[e].store(c, Ordering::Relaxed);
         if d > 0 {
-            // The other kind's uncommitted decreases first: then, with one thread, the "all"
-            // filter below is exact after every rising commit, and "all" cannot pass its peak
-            // later through a kind rising back within its slack without the check.
-            if self.cur[e ^ 1].load(Ordering::Relaxed) != self.committed[e ^ 1].load(Ordering::Relaxed) {
-                self.commit(board, e ^ 1);
-            }
             // A read first: most commits set no new peak, and a load leaves the line shared.
             let (s, large) = (e / 2, e % 2);
             if g > board.peak[s * 3 + 1 + large].load(Ordering::Relaxed) {
                 board.census(s * 3 + 1 + large, g);
             }
-            let all = g + board.g[e ^ 1].load(Ordering::Relaxed);
-            if all > board.peak[s * 3].load(Ordering::Relaxed) {
+            // The other kind's `g` counts its uncommitted decreases (never less than its true
+            // sum), so a filter under the peak needs nothing more. Above it, those decreases
+            // are committed first: then, with one thread, the filter is exact, a census runs
+            // only for a true new peak, and "all" cannot pass that peak later through the other
+            // kind rising back within its slack unchecked. (Committing them at every rising
+            // commit cost a second atomic add per allocation whenever kinds alternate.)
+            let peak = board.peak[s * 3].load(Ordering::Relaxed);
+            let mut all = g + board.g[e ^ 1].load(Ordering::Relaxed);
+            if all > peak && self.cur[e ^ 1].load(Ordering::Relaxed) != self.committed[e ^ 1].load(Ordering::Relaxed) {
+                self.commit(board, e ^ 1);
+                all = g + board.g[e ^ 1].load(Ordering::Relaxed);
+            }
+            if all > peak {
                 board.census(s * 3, all);
             }
         }
