@@ -215,7 +215,8 @@ pub(crate) struct DeviceAllocator {
 /// The state, locked, with its statistics sink pointed at the calling thread's counters (or at
 /// the retired ones, whose lock it then holds too).
 struct Locked<'a> {
-    guard: Option<MutexGuard<'a, State>>,
+    /// Taken out only by `Drop` (no `Option`: every access through `Deref` would test it).
+    guard: std::mem::ManuallyDrop<MutexGuard<'a, State>>,
     retired: Option<crate::sync::MutexGuard<'a, ()>>,
     owner: &'a DeviceAllocator,
 }
@@ -224,21 +225,22 @@ impl Deref for Locked<'_> {
     type Target = State;
     #[inline(always)]
     fn deref(&self) -> &State {
-        self.guard.as_ref().expect("held until dropped")
+        &self.guard
     }
 }
 
 impl DerefMut for Locked<'_> {
     #[inline(always)]
     fn deref_mut(&mut self) -> &mut State {
-        self.guard.as_mut().expect("held until dropped")
+        &mut self.guard
     }
 }
 
 impl Drop for Locked<'_> {
     #[inline(always)]
     fn drop(&mut self) {
-        let Some(mut g) = self.guard.take() else { return };
+        // SAFETY: `guard` is taken once, here, and `self` is not used after its drop.
+        let mut g = unsafe { std::mem::ManuallyDrop::take(&mut self.guard) };
         self.owner.has_error.store(g.error.is_some(), Ordering::Relaxed);
         // An event queued for the background thread: it is woken once the lock is let go.
         let kick = g.kick;
@@ -360,13 +362,15 @@ impl DeviceAllocator {
 
     #[inline(always)]
     fn lock(&self) -> Locked<'_> {
-        self.lock_taking_large(false).0
+        self.lock_taking_large(false)
     }
 
-    /// Locks; `take_large`: also takes this thread's cached large block out of its cache (for
-    /// the caller to file under this lock), found with the thread's counters.
+    /// Locks; `take_large`: also files this thread's cached large block (or parked block: see
+    /// `Owner::park`) under this lock, taken out of its cache with the thread's counters.
+    /// (Filed here, not returned: a block returned beside the guard went through memory and
+    /// was read back at once with wider loads than its stores, a stall on every locked call.)
     #[inline(always)]
-    fn lock_taking_large(&self, take_large: bool) -> (Locked<'_>, [Option<tcache::Cached>; 2]) {
+    fn lock_taking_large(&self, take_large: bool) -> Locked<'_> {
         // Nothing panics while the lock is held (user code runs outside it); if something did,
         // the state is still the best there is, and `Drop` paths must not panic on a poisoned lock.
         let closing = self.closing.load(Ordering::Relaxed);
@@ -407,14 +411,17 @@ impl DeviceAllocator {
             // The allocator is being dropped: no statistics are kept.
             None => g.sink.clear(),
         }
-        let mut st = Locked { guard: Some(g), retired, owner: self };
-        // A user pool's block this thread held as a deferred free, settled: filed (and counted)
-        // under this lock. (The large block is the caller's to file.)
+        let mut st = Locked { guard: std::mem::ManuallyDrop::new(g), retired, owner: self };
+        // A user pool's block this thread held as a deferred free, settled, and the large
+        // bin's block: filed (and counted) under this lock.
         let [settled, large] = held;
         if let Some(c) = settled {
             st.free_cached(c);
         }
-        (st, [None, large])
+        if let Some(c) = large {
+            st.free_cached(c);
+        }
+        st
     }
 
     /// Takes every block out of every thread cache and files it in its free set.
@@ -736,11 +743,7 @@ impl DeviceAllocator {
 
     fn malloc_locked(&self, req: &Request<'_>) -> Result<Allocation> {
         // This thread's cached large block goes back first: best fit sees it where it would be.
-        let (mut st, held) = self.lock_taking_large(true);
-        let [_, large] = held;
-        if let Some(c) = large {
-            st.free_cached(c);
-        }
+        let mut st = self.lock_taking_large(true);
         if let Some(e) = st.error.take() {
             return Err(e);
         }
@@ -1115,7 +1118,8 @@ impl DeviceAllocator {
     /// `device_used`: for host-visible memory, whether the device may have used the block (its
     /// free then waits for the block's own stream too).
     fn free_with(&self, block: BlockIdx, device_used: bool) {
-        let mut st = self.lock();
+        // This thread's parked block is filed under the same lock.
+        let mut st = self.lock_taking_large(true);
         st.free_with(&*self.backend, block, device_used);
         self.unlock(st, false);
     }
@@ -1138,8 +1142,10 @@ impl DeviceAllocator {
         used_elsewhere: bool,
     ) {
         // A user pool's block only while its pool is live, and not while a capture is under
-        // way (the capture's pool may get it).
-        if a.cacheable
+        // way (the capture's pool may get it). A block of the default pools that is not
+        // cacheable, unless it is oversize, is parked (see `Owner::park`).
+        let parkable = !a.cacheable && a.pool.slot == 0 && a.size < self.rounding.max_split_size;
+        if (a.cacheable || parkable)
             && !used_elsewhere
             && self.rounding.thread_cache
             && !trace::enabled()
@@ -1148,7 +1154,11 @@ impl DeviceAllocator {
         {
             let board = &self.caches.board;
             if let Some(mut tc) = self.caches.mine_cache(self.id) {
-                let cached = tc.put(board, stream, requested, a);
+                let cached = if parkable {
+                    tc.park(board, stream, requested, a, false)
+                } else {
+                    tc.put(board, stream, requested, a)
+                };
                 if !tc.spill.is_empty() {
                     let spill = std::mem::take(&mut tc.spill);
                     // Let go of the cache first: filing takes the lock, which looks at it.

@@ -394,7 +394,9 @@ impl Owner {
         }
         m.n = 0;
         self.bytes = self.bytes.saturating_sub(m.size);
-        let v = self.shared.slots[LARGE][0].swap(0, Ordering::Acquire);
+        // As a reuse takes a block: plain accesses under the asymmetric protocol (a swap, a
+        // locked instruction, was a tenth of a locked allocation's time).
+        let v = self.shared.take_slot(LARGE, 0);
         (v != 0).then(|| self.own_taken(unpack(v, &self.shared.stats)))
     }
 
@@ -510,8 +512,10 @@ impl Owner {
     pub(super) fn put(&mut self, board: &Board, stream: StreamKey, requested: usize, a: &super::Allocation) -> bool {
         let (size, small, block, addr, split, pool) = (a.size, a.small, a.block, a.addr, a.split, a.pool);
         if self.bypass > 0 {
+            // Not worth caching now: parked, if the large bin is free, for this thread's next
+            // locked call to file.
             self.bypass -= 1;
-            return false;
+            return self.park(board, stream, requested, a, true);
         }
         self.puts += 1;
         if self.puts == WINDOW {
@@ -603,6 +607,77 @@ impl Owner {
             self.defer_wait -= 1;
             self.shared.stats.on_cache(board, self.slack, small, size, requested, split);
         }
+        true
+    }
+
+    /// Parks a freed block of the default pools that is not cached (a thread whose frees are
+    /// rarely reused, or a block bigger than its request's rounded size) in the large bin,
+    /// counted as free: this thread's next locked call files it under the lock it takes anyway
+    /// (an allocation that misses the cache, or a free), and any thread files it before it
+    /// makes a segment, as the large bin's block. So a thread whose sizes never repeat takes
+    /// the lock once per allocation and free, not twice. `reusable`: an allocation of the same
+    /// (stream, bytes asked for) may take it back, as a cached large block (only blocks of the
+    /// rounded size of their request: see `State::allocation`). Returns whether it was parked
+    /// (else the caller frees it as usual: the large bin holds a block, or a user pool's).
+    #[inline(always)]
+    pub(super) fn park(
+        &mut self,
+        board: &Board,
+        stream: StreamKey,
+        requested: usize,
+        a: &super::Allocation,
+        reusable: bool,
+    ) -> bool {
+        if a.pool.id != PoolId::DEFAULT {
+            return false;
+        }
+        if self.meta[LARGE].n != 0 {
+            // Drained meanwhile? Then the bin is empty again.
+            let drains = self.shared.drains.load(Ordering::Acquire);
+            if drains == self.drains {
+                return false;
+            }
+            self.recount(drains);
+            if self.meta[LARGE].n != 0 {
+                return false;
+            }
+        }
+        if self.bytes + a.size > MAX_BYTES {
+            return false;
+        }
+        // At most one deferred free at a time, and none while this thread's block is parked
+        // uncounted (a parked block is counted at once).
+        if let Some(c) = self.settle(board) {
+            self.spill.push(c);
+            return false;
+        }
+        let word = pack(a.block, a.split);
+        // The slot is 0 (the bin's count is): nobody else writes a block into it (see `put`).
+        #[cfg(not(loom))]
+        self.shared.slots[LARGE][0].store(word, Ordering::Release);
+        #[cfg(loom)]
+        assert_eq!(self.shared.slots[LARGE][0].swap(word, Ordering::AcqRel), 0, "owner invariant");
+        let mut addr = [0; PER_BIN];
+        addr[0] = a.addr;
+        // A request is never of 0 bytes: a key of 0 bytes asked for is never taken back.
+        let key = if reusable { requested } else { 0 };
+        self.meta[LARGE] = Meta {
+            stream,
+            pool: a.pool,
+            size: a.size,
+            requested: key,
+            small: a.small,
+            n: 1,
+            addr,
+            set: a.set as u32,
+            gen: a.gen,
+        };
+        self.bytes += a.size;
+        self.shared.filled.store(true, Ordering::Release);
+        if (a.size as i64) > self.slack >> 1 {
+            self.slack = self.slack.max(slack_for(a.size));
+        }
+        self.shared.stats.on_cache(board, self.slack, a.small, a.size, requested, a.split);
         true
     }
 
@@ -980,13 +1055,12 @@ impl Registry {
         id: AllocatorId,
         take_large: bool,
     ) -> Option<(NonNull<ThreadStats>, i64, [Option<Cached>; 2])> {
-        let board = &self.board;
-        self.with_mine(id, |o| {
-            // A deferred free is settled first; a user pool's block comes out to be filed.
-            let settled = o.settle(board);
-            let large = if take_large { o.take_large() } else { None };
-            (NonNull::from(o.stats()), o.slack, [settled, large])
-        })
+        // Not through `with_mine`: its closure was not inlined, and returned this through memory.
+        let mut o = self.mine_cache(id)?;
+        // A deferred free is settled first; a user pool's block comes out to be filed.
+        let settled = o.settle(&self.board);
+        let large = if take_large { o.take_large() } else { None };
+        Some((NonNull::from(o.stats()), o.slack, [settled, large]))
     }
 
     /// The lock under which `board.retired` is written.
