@@ -1142,10 +1142,8 @@ impl DeviceAllocator {
         used_elsewhere: bool,
     ) {
         // A user pool's block only while its pool is live, and not while a capture is under
-        // way (the capture's pool may get it). A block of the default pools that is not
-        // cacheable, unless it is oversize, is parked (see `Owner::park`).
-        let parkable = !a.cacheable && a.pool.slot == 0 && a.size < self.rounding.max_split_size;
-        if (a.cacheable || parkable)
+        // way (the capture's pool may get it).
+        if a.cacheable
             && !used_elsewhere
             && self.rounding.thread_cache
             && !trace::enabled()
@@ -1154,11 +1152,7 @@ impl DeviceAllocator {
         {
             let board = &self.caches.board;
             if let Some(mut tc) = self.caches.mine_cache(self.id) {
-                let cached = if parkable {
-                    tc.park(board, stream, requested, a, false)
-                } else {
-                    tc.put(board, stream, requested, a)
-                };
+                let cached = tc.put(board, stream, requested, a);
                 if !tc.spill.is_empty() {
                     let spill = std::mem::take(&mut tc.spill);
                     // Let go of the cache first: filing takes the lock, which looks at it.
@@ -1170,7 +1164,35 @@ impl DeviceAllocator {
                 }
             }
         }
+        if !a.cacheable && self.park(a, stream, requested, used_elsewhere) {
+            return;
+        }
         self.free_with(a.block, used_elsewhere);
+    }
+
+    /// Parks a block of the default pools that is not cacheable (bigger than its request's
+    /// rounded size), unless it is oversize or needs work at its free (see `Owner::park`);
+    /// returns whether it did.
+    #[inline(never)]
+    fn park(&self, a: &Allocation, stream: crate::id::StreamKey, requested: usize, used_elsewhere: bool) -> bool {
+        if a.pool.slot != 0
+            || a.size >= self.rounding.max_split_size
+            || used_elsewhere
+            || !self.rounding.thread_cache
+            || trace::enabled()
+            || self.under_pressure.load(Ordering::Relaxed) != 0
+        {
+            return false;
+        }
+        let board = &self.caches.board;
+        let Some(mut tc) = self.caches.mine_cache(self.id) else { return false };
+        let parked = tc.park(board, stream, requested, a, false);
+        if !tc.spill.is_empty() {
+            let spill = std::mem::take(&mut tc.spill);
+            drop(tc);
+            self.free_cached(spill);
+        }
+        parked
     }
 
     /// Marks user pool `pool` cacheable by the thread caches or not (under the allocator's

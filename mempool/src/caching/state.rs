@@ -539,7 +539,8 @@ impl State {
         // Expandable memory (PyTorch's rule): the free block at the end of a segment, with
         // unmapped space after it, counts as big as it can grow, so the next bigger block is
         // taken instead when that is smaller, and the end stays free to grow into.
-        let grow = self.unmapped_after(first);
+        // (No reservation, nothing expandable: no call, no segment looked at.)
+        let grow = if self.reservations.is_empty() { 0 } else { self.unmapped_after(first) };
         if grow == 0 {
             return Some(first);
         }
