@@ -460,3 +460,81 @@ fn a_deferred_block_taken_back_after_a_census_makes_its_peak() {
     assert_eq!(s.requested_bytes.all.peak, 2 * MIB as i64);
     check_invariants(&a, Some(&sim));
 }
+
+/// A thread whose sizes never repeat (the `mixed` workload: the cache soon stops caching its
+/// frees and parks each one for its next locked call): every figure stays exact, the peak of
+/// the bytes asked for is the true one (one thread), and at the end nothing is left out of
+/// the free sets: `empty_cache` gives every segment back.
+#[test]
+fn a_thread_whose_sizes_never_repeat_keeps_every_figure_exact() {
+    let (sim, a) = setup(64 << 30);
+    let mut x = 42u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut live: Vec<Option<(mempool::Buffer<u8, Sim>, usize)>> = (0..16).map(|_| None).collect();
+    let (mut now, mut peak) = (0usize, 0usize);
+    for step in 0..20_000 {
+        let slot = (next() % 16) as usize;
+        if let Some((_, n)) = live[slot].take() {
+            now -= n;
+        }
+        let lo = 1usize << (9 + next() % 16);
+        let n = lo + (next() as usize) % lo;
+        live[slot] = Some((a.alloc::<u8>(n).unwrap(), n));
+        now += n;
+        peak = peak.max(now);
+        if step % 5_000 == 4_999 {
+            let s = a.memory_stats();
+            assert_eq!(s.requested_bytes.all.current, now as i64, "step {step}");
+            assert_eq!(s.requested_bytes.all.peak, peak as i64, "step {step}: the peak of one thread is exact");
+            assert_eq!(s.allocation.all.current, 16);
+            check_invariants(&a, Some(&sim));
+        }
+    }
+    drop(live);
+    let s = a.memory_stats();
+    assert_eq!((s.allocated_bytes.all.current, s.requested_bytes.all.current), (0, 0));
+    assert_eq!(s.requested_bytes.all.peak, peak as i64);
+    check_invariants(&a, Some(&sim));
+    a.empty_cache().unwrap();
+    assert!(sim.live_segments().is_empty(), "a block was left out of its free set: {:?}", sim.live_segments());
+}
+
+/// A freed block bigger than its request's rounded size (its rest was too small to split off)
+/// is parked, not cached: no request takes it back, and another thread's `memory_stats` and
+/// `empty_cache` see it free (the segment goes back while its thread is still alive).
+#[test]
+fn a_parked_block_is_seen_by_other_threads() {
+    let (sim, a) = setup(1 << 30);
+    let (tx, rx) = std::sync::mpsc::channel::<u64>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let a2 = a.clone();
+    let t = std::thread::spawn(move || {
+        // A 20 MiB segment; the 512 KiB rest is not split off (large blocks keep a rest under
+        // 1 MiB), so the block is 20 MiB for 19.5 MiB asked.
+        let x = a2.alloc::<u8>(19 * MIB + MIB / 2).unwrap();
+        let addr = x.device_ptr_raw();
+        drop(x);
+        tx.send(addr).unwrap();
+        done_rx.recv().unwrap();
+        // Its parked block was taken by the other thread's `empty_cache`: its next calls work.
+        let y = a2.alloc::<u8>(19 * MIB + MIB / 2).unwrap();
+        drop(y);
+    });
+    let addr = rx.recv().unwrap();
+    assert_ne!(addr, 0);
+    let s = a.memory_stats();
+    assert_eq!(s.allocated_bytes.all.current, 0);
+    assert_eq!(s.inactive_split_bytes.all.current, 0);
+    check_invariants(&a, Some(&sim));
+    a.empty_cache().unwrap();
+    assert!(sim.live_segments().is_empty(), "the parked block kept its segment: {:?}", sim.live_segments());
+    done_tx.send(()).unwrap();
+    t.join().unwrap();
+    check_invariants(&a, Some(&sim));
+    assert_eq!(a.memory_stats().allocation.all.allocated, 2);
+}

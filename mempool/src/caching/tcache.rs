@@ -1291,6 +1291,45 @@ mod loom_tests {
         });
     }
 
+    /// A parked block (a small one, not reusable) against another thread's drain before it
+    /// makes a segment: the owner files it at its next locked call (`take_large`) or the drain
+    /// takes it, never both; a second park while one is held is refused.
+    #[test]
+    fn parked_block_and_segment_drain() {
+        model(|| {
+            let reg = Arc::new(Registry::default());
+            let mut own = reg.make();
+            let board = Board::default();
+            let s = StreamKey(7);
+            assert!(own.park(&board, s, 1000, &a(0, 1024, 0x100_0000, false), false));
+            let r2 = reg.clone();
+            let drainer = loom::thread::spawn(move || {
+                let mut got = Vec::new();
+                r2.drain_orphans_and_large(&mut got, None);
+                got
+            });
+            let mut mine = Vec::new();
+            // Not reusable: no request takes it back.
+            assert!(own.take(&board, s, PoolRef::DEFAULT, 1000).is_none());
+            if !own.park(&board, s, 1000, &a(1, 1024, 0x200_0000, false), false) {
+                // The bin still held block 0: block 1 is the caller's to free.
+                mine.push(b(1));
+            }
+            mine.extend(own.take_large().map(|c| c.block));
+            let mut drained = drainer.join().unwrap();
+            let mut left = Vec::new();
+            reg.close(&mut left);
+            let why = format!("owner {mine:?}, drained {drained:?}, left {left:?}");
+            let mut all: Vec<BlockIdx> = mine
+                .into_iter()
+                .chain(drained.drain(..).map(|c| c.block))
+                .chain(left.into_iter().map(|c| c.block))
+                .collect();
+            all.sort_by_key(|x| x.to_key());
+            assert_eq!(all, vec![b(0), b(1)], "every block with exactly one party: {why}");
+        });
+    }
+
     /// The large bin: the owner reuses its block, takes it out for the lock, and caches another
     /// (evicting the one before) while another thread takes large blocks before it makes a
     /// segment: each block ends up with exactly one party.
