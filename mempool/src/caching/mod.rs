@@ -376,14 +376,16 @@ impl DeviceAllocator {
         let closing = self.closing.load(Ordering::Relaxed);
         // This thread's counters, found before the lock is taken (a thread's first call makes
         // its cache, which takes the registry's locks).
-        let (mine, held) = if closing {
-            (None, [None, None])
+        let (mine, held, joined) = if closing {
+            (None, [None, None], false)
         } else {
             match self.caches.mine_stats(self.id, take_large) {
-                Some((to, slack, held)) => (Some((to, slack)), held),
-                None => (None, [None, None]),
+                Some((to, slack, held, joined)) => (Some((to, slack)), held, joined),
+                None => (None, [None, None], false),
             }
         };
+        // This thread's first locked call: other threads' parked blocks are filed with it.
+        let parked = if joined { self.take_parked() } else { Vec::new() };
         let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut retired = None;
         match mine {
@@ -421,7 +423,20 @@ impl DeviceAllocator {
         if let Some(c) = large {
             st.free_cached(c);
         }
+        for c in parked {
+            st.free_cached(c);
+        }
         st
+    }
+
+    /// Other threads' parked blocks (and exited threads' caches), for a thread's first locked
+    /// call (`Registry::drain_parked`).
+    #[cold]
+    #[inline(never)]
+    fn take_parked(&self) -> Vec<tcache::Cached> {
+        let mut blocks = Vec::new();
+        self.caches.drain_parked(&mut blocks, self.caches.mine(self.id));
+        blocks
     }
 
     /// Takes every block out of every thread cache and files it in its free set.

@@ -287,6 +287,10 @@ pub(super) struct Owner {
     pub(super) spill: Vec<Cached>,
     /// Puts left before frees are deferred again (after one that was not taken back).
     defer_wait: u32,
+    /// Its registry's count of live caches (`None`: made without one, in unit models).
+    live: Option<Arc<AtomicU64>>,
+    /// Made, and no locked call of its thread yet (which files other threads' parked blocks).
+    pub(super) fresh: bool,
 }
 
 /// Puts counted at once after a deferred free that was not taken back.
@@ -300,6 +304,9 @@ const BYPASS: u32 = 4096;
 impl Drop for Owner {
     fn drop(&mut self) {
         self.shared.orphan.store(true, Ordering::Release);
+        if let Some(l) = &self.live {
+            l.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -339,6 +346,8 @@ impl Owner {
             deferred_at: (0, 0),
             spill: Vec::new(),
             defer_wait: 0,
+            live: None,
+            fresh: false,
         }
     }
 
@@ -632,6 +641,12 @@ impl Owner {
         if a.pool.id != PoolId::DEFAULT {
             return false;
         }
+        // Only while this is the allocator's one live thread: a parked block is out of its free
+        // set, so another thread's best fit would miss it and place its block elsewhere. (A
+        // thread that joins later files parked blocks at its first locked call: see below.)
+        if self.live.as_ref().is_some_and(|l| l.load(Ordering::Relaxed) != 1) {
+            return false;
+        }
         if self.meta[LARGE].n != 0 {
             // Drained meanwhile? Then the bin is empty again.
             let drains = self.shared.drains.load(Ordering::Acquire);
@@ -652,12 +667,30 @@ impl Owner {
             self.spill.push(c);
             return false;
         }
-        let word = pack(a.block, a.split);
+        // Never counted inactive-split while parked (split: false in its word, and for a
+        // request that takes it back): filed, it merges with its free neighbours, and the
+        // filing counts what it merged into; counted unmerged here, a census would take that
+        // transient for a new peak.
+        let word = pack(a.block, false);
         // The slot is 0 (the bin's count is): nobody else writes a block into it (see `put`).
         #[cfg(not(loom))]
         self.shared.slots[LARGE][0].store(word, Ordering::Release);
         #[cfg(loom)]
         assert_eq!(self.shared.slots[LARGE][0].swap(word, Ordering::AcqRel), 0, "owner invariant");
+        // Another thread may have joined since `live` was read: read again after the store (the
+        // other half of `Registry::drain_parked`'s handshake). If it did, the block is taken
+        // back and freed as usual, unless its drain took it first (then it is parked, and that
+        // drain files it).
+        if let Some(l) = &self.live {
+            if super::asym::fast() {
+                std::sync::atomic::compiler_fence(Ordering::SeqCst);
+            } else {
+                crate::sync::fence(Ordering::SeqCst);
+            }
+            if l.load(Ordering::SeqCst) != 1 && self.shared.slots[LARGE][0].swap(0, Ordering::AcqRel) != 0 {
+                return false;
+            }
+        }
         let mut addr = [0; PER_BIN];
         addr[0] = a.addr;
         // A request is never of 0 bytes: a key of 0 bytes asked for is never taken back.
@@ -678,7 +711,7 @@ impl Owner {
         if (a.size as i64) > self.slack >> 1 {
             self.slack = self.slack.max(slack_for(a.size));
         }
-        self.shared.stats.on_cache(board, self.slack, a.small, a.size, requested, a.split);
+        self.shared.stats.on_cache(board, self.slack, a.small, a.size, requested, false);
         true
     }
 
@@ -815,6 +848,9 @@ pub(super) struct Registry {
     /// Held while `board.retired` is written.
     retired_lock: Arc<Mutex<()>>,
     pub(super) board: Arc<Board>,
+    /// Live threads' caches (made, and their thread not exited): a thread parks its frees
+    /// only while it is the one (see `Owner::park`).
+    live: Arc<AtomicU64>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -950,7 +986,12 @@ impl Registry {
         list.retain(|c| !(c.orphan.load(Ordering::Acquire) && c.is_empty() && self.retire(c)));
         self.board.join(s.stats.clone());
         list.push(s.clone());
-        Owner::new(s)
+        // Counted before this thread can take the lock (see `drain_parked`).
+        self.live.fetch_add(1, Ordering::SeqCst);
+        let mut o = Owner::new(s);
+        o.live = Some(self.live.clone());
+        o.fresh = true;
+        o
     }
 
     /// Runs `f` on this thread's cache of allocator `id` (made on first use); `None` when this
@@ -1055,13 +1096,29 @@ impl Registry {
         &self,
         id: AllocatorId,
         take_large: bool,
-    ) -> Option<(NonNull<ThreadStats>, i64, [Option<Cached>; 2])> {
+    ) -> Option<(NonNull<ThreadStats>, i64, [Option<Cached>; 2], bool)> {
         // Not through `with_mine`: its closure was not inlined, and returned this through memory.
         let mut o = self.mine_cache(id)?;
         // A deferred free is settled first; a user pool's block comes out to be filed.
         let settled = o.settle(&self.board);
         let large = if take_large { o.take_large() } else { None };
-        Some((NonNull::from(o.stats()), o.slack, [settled, large]))
+        // This thread's first locked call: the blocks other threads parked are filed first.
+        let joined = std::mem::take(&mut o.fresh);
+        Some((NonNull::from(o.stats()), o.slack, [settled, large], joined))
+    }
+
+    /// A thread's first locked call (see `Owner::park`): takes out the blocks other threads
+    /// parked before they could see this thread's cache. Its cache was counted in `live` when
+    /// it was made; the fence orders that before the large bins are read, against a parking
+    /// owner's store of its block and then its read of `live` (an asymmetric handshake as in
+    /// `super::asym`): either the owner sees two live caches and takes its block back, or this
+    /// drain sees the block (or both, and the slot's swap picks one taker).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn drain_parked(&self, into: &mut Vec<Cached>, own: Option<*const Shared>) {
+        super::asym::fence();
+        crate::sync::fence(Ordering::SeqCst);
+        self.drain_orphans_and_large(into, own);
     }
 
     /// The lock under which `board.retired` is written.
@@ -1288,6 +1345,34 @@ mod loom_tests {
                 .collect();
             all.sort_by_key(|x| x.to_key());
             assert_eq!(all, vec![b(0), b(1), b(2)], "every block with exactly one party: {why}");
+        });
+    }
+
+    /// A thread that joins while the owner parks a block (the owner read one live cache):
+    /// either the owner sees the joiner and keeps its block to free, or the joiner's first
+    /// drain (`drain_parked`) takes it; never a block parked that the joiner cannot see.
+    #[test]
+    fn parking_against_a_joining_thread() {
+        model(|| {
+            let reg = Arc::new(Registry::default());
+            let mut own = reg.make();
+            let board = Board::default();
+            let r2 = reg.clone();
+            let joiner = loom::thread::spawn(move || {
+                let o2 = r2.make();
+                let mut got = Vec::new();
+                r2.drain_parked(&mut got, None);
+                (got.into_iter().map(|c| c.block).collect::<Vec<_>>(), o2)
+            });
+            let parked = own.park(&board, StreamKey(7), 1000, &a(0, 1024, 0x100_0000, false), false);
+            let (got, o2) = joiner.join().unwrap();
+            let left = own.take_large().map(|c| c.block);
+            if parked {
+                assert_eq!((got, left), (vec![b(0)], None), "parked: the joiner's drain has it");
+            } else {
+                assert_eq!((got, left), (vec![], None), "kept by its owner, to free");
+            }
+            drop(o2);
         });
     }
 
