@@ -381,7 +381,10 @@ impl DeviceAllocator {
         } else {
             match self.caches.mine_stats(self.id, take_large) {
                 Some((to, slack, held, joined)) => (Some((to, slack)), held, joined),
-                None => (None, [None, None], false),
+                // No cache (this thread's locals are gone: a thread-local destructor, after
+                // the caches'): parked blocks, its own orphaned cache's included, are filed
+                // with every such call, or its best fit would miss them. Rare.
+                None => (None, [None, None], true),
             }
         };
         // This thread's first locked call: other threads' parked blocks are filed with it.
