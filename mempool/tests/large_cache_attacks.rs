@@ -5,12 +5,11 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
-use common::{check_invariants, Rng};
+use common::check_invariants;
 use mempool::sim::SimDevice;
-use mempool::{Allocator, CaptureMode, Config, MemPool, PoolOptions};
+use mempool::{Allocator, CaptureMode, MemPool, PoolOptions};
 
 const MIB: usize = 1 << 20;
 
@@ -32,59 +31,21 @@ fn an_exited_threads_cached_large_block_is_given_back() {
 /// overlap), and at rest everything is exact and goes back.
 #[test]
 fn large_cycles_against_concurrent_drains() {
-    for expandable in [false, true] {
-        let sim = SimDevice::new(4 << 30);
-        let cfg = Config::builder().expandable_segments(expandable).build().unwrap();
-        let a = Allocator::sim_with(sim.clone(), cfg);
-        let stop = Arc::new(AtomicBool::new(false));
-        let n = 4;
-        let start = Arc::new(Barrier::new(n + 1));
-        let live = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<u64, usize>::new()));
-        let workers: Vec<_> = (0..n)
-            .map(|t| {
-                let (a, stop, start, live) = (a.clone(), stop.clone(), start.clone(), live.clone());
-                let s = sim.new_stream();
-                std::thread::spawn(move || {
-                    let _cur = if t % 2 == 0 { Some(a.set_stream(&s).unwrap()) } else { None };
-                    let mut rng = Rng(t as u64 + 11);
-                    start.wait();
-                    let mut i = 0u64;
-                    while !stop.load(Ordering::Relaxed) || i < 2_000 {
-                        let size = if rng.below(4) == 0 { (2 + rng.below(60) as usize) * MIB } else { 8 * MIB };
-                        let b = a.alloc::<u8>(size).unwrap();
-                        let p = b.device_ptr_raw();
-                        {
-                            let mut l = live.lock().unwrap();
-                            if let Some((&q, &qn)) = l.range(..p + size as u64).next_back() {
-                                assert!(q + qn as u64 <= p, "block {p:#x} overlaps live {q:#x}+{qn}");
-                            }
-                            l.insert(p, size);
-                        }
-                        live.lock().unwrap().remove(&p);
-                        drop(b);
-                        i += 1;
-                    }
-                })
-            })
-            .collect();
-        start.wait();
-        for k in 0..200 {
-            match k % 3 {
-                0 => a.empty_cache().unwrap(),
-                1 => drop(a.snapshot()),
-                _ => drop(a.memory_stats()),
-            }
-        }
-        stop.store(true, Ordering::Relaxed);
-        for w in workers {
-            w.join().unwrap();
-        }
-        check_invariants(&a, Some(&sim));
-        a.empty_cache().unwrap();
-        let s = a.memory_stats();
-        assert_eq!((s.reserved_bytes.all.current, s.allocated_bytes.all.current), (0, 0), "expandable {expandable}");
-        assert!(sim.mapped().is_empty() && sim.live_segments().is_empty());
-    }
+    common::drains::race_drains(
+        4 << 30,
+        4,
+        2_000,
+        200,
+        11,
+        |t| t % 2 == 0,
+        |a, rng, live, _| {
+            let size = if rng.below(4) == 0 { (2 + rng.below(60) as usize) * MIB } else { 8 * MIB };
+            let b = a.alloc::<u8>(size).unwrap();
+            live.add(&b);
+            live.remove(&b);
+            drop(b);
+        },
+    );
 }
 
 /// A cached large block on another thread is given back by the out-of-memory ladder: a request

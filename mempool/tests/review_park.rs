@@ -196,7 +196,6 @@ fn one_thread_peaks_match_no_cache_fuzz() {
     assert!(peaks > 300, "the sequences allocated: {peaks}");
 }
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
 /// A block parked on a live thread (not cacheable: bigger than its request's rounded size) is
@@ -239,74 +238,31 @@ fn other_threads_parked_block_is_reachable_on_oom() {
 /// everything is exact and goes back.
 #[test]
 fn parked_blocks_against_concurrent_drains() {
-    for expandable in [false, true] {
-        let sim = SimDevice::new(8 << 30);
-        let cfg = Config::builder().expandable_segments(expandable).build().unwrap();
-        let a = Allocator::sim_with(sim.clone(), cfg);
-        let stop = Arc::new(AtomicBool::new(false));
-        let n = 3;
-        let start = Arc::new(Barrier::new(n + 1));
-        let live = Arc::new(std::sync::Mutex::new(std::collections::BTreeMap::<u64, usize>::new()));
-        let workers: Vec<_> = (0..n)
-            .map(|t| {
-                let (a, stop, start, live) = (a.clone(), stop.clone(), start.clone(), live.clone());
-                let s = sim.new_stream();
-                std::thread::spawn(move || {
-                    let _cur = if t == 0 { Some(a.set_stream(&s).unwrap()) } else { None };
-                    let mut rng = Rng(t as u64 + 5);
-                    start.wait();
-                    let mut i = 0u64;
-                    let mut held = Vec::new();
-                    while !stop.load(Ordering::Relaxed) || i < 3_000 {
-                        let size = match rng.below(4) {
-                            0 => 19 * MIB + 512 * KIB,
-                            1 => 13 * MIB + 512 * KIB,
-                            2 => 1 + rng.below(4 * MIB as u64) as usize,
-                            _ => 1 + rng.below(MIB as u64) as usize,
-                        };
-                        let b = a.alloc::<u8>(size).unwrap();
-                        let p = b.device_ptr_raw();
-                        {
-                            let mut l = live.lock().unwrap();
-                            if let Some((&q, &qn)) = l.range(..p + size as u64).next_back() {
-                                assert!(q + qn as u64 <= p, "block {p:#x}+{size} overlaps live {q:#x}+{qn}");
-                            }
-                            l.insert(p, size);
-                        }
-                        held.push(b);
-                        if held.len() > 3 || rng.below(2) == 0 {
-                            let k = rng.below(held.len() as u64) as usize;
-                            let b = held.swap_remove(k);
-                            live.lock().unwrap().remove(&b.device_ptr_raw());
-                            drop(b);
-                        }
-                        i += 1;
-                    }
-                    for b in held {
-                        live.lock().unwrap().remove(&b.device_ptr_raw());
-                    }
-                })
-            })
-            .collect();
-        start.wait();
-        for k in 0..300 {
-            match k % 3 {
-                0 => a.empty_cache().unwrap(),
-                1 => drop(a.snapshot()),
-                _ => drop(a.memory_stats()),
+    common::drains::race_drains(
+        8 << 30,
+        3,
+        3_000,
+        300,
+        5,
+        |t| t == 0,
+        |a, rng, live, held| {
+            let size = match rng.below(4) {
+                0 => 19 * MIB + 512 * KIB,
+                1 => 13 * MIB + 512 * KIB,
+                2 => 1 + rng.below(4 * MIB as u64) as usize,
+                _ => 1 + rng.below(MIB as u64) as usize,
+            };
+            let b = a.alloc::<u8>(size).unwrap();
+            live.add(&b);
+            held.push(b);
+            if held.len() > 3 || rng.below(2) == 0 {
+                let k = rng.below(held.len() as u64) as usize;
+                let b = held.swap_remove(k);
+                live.remove(&b);
+                drop(b);
             }
-        }
-        stop.store(true, Ordering::Relaxed);
-        for w in workers {
-            w.join().unwrap();
-        }
-        check_invariants(&a, Some(&sim));
-        a.empty_cache().unwrap();
-        let s = a.memory_stats();
-        assert_eq!((s.reserved_bytes.all.current, s.allocated_bytes.all.current), (0, 0), "expandable {expandable}");
-        assert_eq!(s.inactive_split.all.current, 0);
-        assert!(sim.mapped().is_empty() && sim.live_segments().is_empty());
-    }
+        },
+    );
 }
 
 /// P2 (2deeb28). A parked block is out of every free set until its thread's next locked call:

@@ -1305,6 +1305,17 @@ mod loom_tests {
         }
     }
 
+    /// Blocks 0 and 1 end with exactly one party: the owner (`mine`), the drainer, or the
+    /// registry's close (what is left in the caches).
+    fn each_with_one_party(reg: &Registry, mine: Vec<BlockIdx>, drained: Vec<Cached>) {
+        let mut left = Vec::new();
+        reg.close(&mut left);
+        let why = format!("owner {mine:?}, drained {drained:?}, left {left:?}");
+        let mut all: Vec<BlockIdx> = mine.into_iter().chain(drained.into_iter().chain(left).map(|c| c.block)).collect();
+        all.sort_by_key(|x| x.to_key());
+        assert_eq!(all, vec![b(0), b(1)], "every block with exactly one party: {why}");
+    }
+
     /// The owner caches, reuses and evicts while another thread drains: no block is lost or
     /// handed out twice.
     #[test]
@@ -1401,17 +1412,7 @@ mod loom_tests {
                 mine.push(b(1));
             }
             mine.extend(own.take_large().map(|c| c.block));
-            let mut drained = drainer.join().unwrap();
-            let mut left = Vec::new();
-            reg.close(&mut left);
-            let why = format!("owner {mine:?}, drained {drained:?}, left {left:?}");
-            let mut all: Vec<BlockIdx> = mine
-                .into_iter()
-                .chain(drained.drain(..).map(|c| c.block))
-                .chain(left.into_iter().map(|c| c.block))
-                .collect();
-            all.sort_by_key(|x| x.to_key());
-            assert_eq!(all, vec![b(0), b(1)], "every block with exactly one party: {why}");
+            each_with_one_party(&reg, mine, drainer.join().unwrap());
         });
     }
 
@@ -1442,17 +1443,7 @@ mod loom_tests {
             assert!(own.put(&board, s, big, &a(1, big, 0x200_0000, false)), "the large bin refused a block");
             mine.extend(own.spill.drain(..).map(|c| c.block));
             mine.extend(own.take_large().map(|c| c.block));
-            let mut drained = drainer.join().unwrap();
-            let mut left = Vec::new();
-            reg.close(&mut left);
-            let why = format!("owner {mine:?}, drained {drained:?}, left {left:?}");
-            let mut all: Vec<BlockIdx> = mine
-                .into_iter()
-                .chain(drained.drain(..).map(|c| c.block))
-                .chain(left.into_iter().map(|c| c.block))
-                .collect();
-            all.sort_by_key(|x| x.to_key());
-            assert_eq!(all, vec![b(0), b(1)], "every block with exactly one party: {why}");
+            each_with_one_party(&reg, mine, drainer.join().unwrap());
         });
     }
 

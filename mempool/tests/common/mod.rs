@@ -1,6 +1,7 @@
 //! Shared checks for the sim-backed tests, and the GPU tests' kernels.
 #![allow(dead_code)]
 
+pub(crate) mod drains;
 pub(crate) mod mutate;
 pub(crate) mod ptx;
 pub(crate) mod sock;
