@@ -331,6 +331,9 @@ pub(crate) struct Board {
     g: [AtomicI64; M],
     peak: [AtomicI64; N],
     members: Mutex<Vec<Arc<ThreadStats>>>,
+    /// The address of the one member while there is exactly one (0 otherwise), set under the
+    /// members' lock: its census needs no lock (see `census`).
+    solo: AtomicU64,
     /// Written only under the registry's retired lock.
     pub(crate) retired: Arc<ThreadStats>,
     /// Exited threads' elided pool allocations (see `ThreadStats::pool_elided`), moved here
@@ -346,6 +349,7 @@ impl Default for Board {
             g: std::array::from_fn(|_| AtomicI64::new(0)),
             peak: std::array::from_fn(|_| AtomicI64::new(0)),
             members: Mutex::new(Vec::new()),
+            solo: AtomicU64::new(0),
             retired: Arc::new(ThreadStats::default()),
             retired_pools: Mutex::new(Vec::new()),
         }
@@ -482,7 +486,7 @@ impl ThreadStats {
             // A read first: most commits set no new peak, and a load leaves the line shared.
             let (s, large) = (e / 2, e % 2);
             if g > board.peak[s * 3 + 1 + large].load(Ordering::Relaxed) {
-                board.census(s * 3 + 1 + large, g);
+                board.census(s * 3 + 1 + large, g, self);
             }
             // The other kind's `g` counts its uncommitted decreases (never less than its true
             // sum), so a filter under the peak needs nothing more. Above it, those decreases
@@ -497,7 +501,7 @@ impl ThreadStats {
                 all = g + board.g[e ^ 1].load(Ordering::Relaxed);
             }
             if all > peak {
-                board.census(s * 3, all);
+                board.census(s * 3, all, self);
             }
         }
     }
@@ -634,11 +638,11 @@ impl ThreadStats {
             let e = s * 2 + !small as usize;
             let g = board.g[e].load(Ordering::Relaxed);
             if g > board.peak[s * 3 + 1 + !small as usize].load(Ordering::Relaxed) {
-                board.census(s * 3 + 1 + !small as usize, g);
+                board.census(s * 3 + 1 + !small as usize, g, self);
             }
             let all = g + board.g[e ^ 1].load(Ordering::Relaxed);
             if all > board.peak[s * 3].load(Ordering::Relaxed) {
-                board.census(s * 3, all);
+                board.census(s * 3, all, self);
             }
         }
     }
@@ -789,7 +793,15 @@ impl Board {
 
     /// A thread's counters join the census.
     pub(crate) fn join(&self, t: Arc<ThreadStats>) {
-        lock_members(&self.members).push(t);
+        let mut m = lock_members(&self.members);
+        m.push(t);
+        self.set_solo(&m);
+    }
+
+    /// Names the one member, if there is one (under the members' lock).
+    fn set_solo(&self, m: &[Arc<ThreadStats>]) {
+        let solo = if let [one] = m { Arc::as_ptr(one) as u64 } else { 0 };
+        self.solo.store(solo, Ordering::Release);
     }
 
     /// An exited thread's counters go into `retired` and leave the census, in one step under
@@ -813,6 +825,7 @@ impl Board {
                 }
             }
             m.retain(|x| !Arc::ptr_eq(x, t));
+            self.set_solo(&m);
         }
         self.retired.commit_all(self);
     }
@@ -821,7 +834,19 @@ impl Board {
     /// read, and the peak becomes the smaller of the two.
     #[cold]
     #[inline(never)]
-    fn census(&self, i: usize, g: i64) {
+    fn census(&self, i: usize, g: i64, me: &ThreadStats) {
+        // The caller is the one member (one thread, the common case while peaks climb after a
+        // reset, a census per allocation): its counters and the retired ones are the sum, with
+        // no lock. (A thread joining meanwhile is missed as one racing a census always is;
+        // one retiring was absorbed into `retired` before `solo` named the caller.)
+        if self.solo.load(Ordering::Acquire) == me as *const ThreadStats as u64 {
+            let now = me.current(i) + self.retired.current(i);
+            if now < g && me.deferred(i) != 0 {
+                me.def_clipped.store(true, Ordering::Relaxed);
+            }
+            self.peak[i].fetch_max(g.min(now), Ordering::Relaxed);
+            return;
+        }
         let m = lock_members(&self.members);
         let now = m.iter().map(|t| t.current(i)).sum::<i64>() + self.retired.current(i);
         if now < g {
