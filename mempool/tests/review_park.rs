@@ -8,48 +8,13 @@
 //! (RELIABILITY.md). The others are probes that held up.
 mod common;
 
+use common::model::Model;
 use common::{check_invariants, Rng};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Buffer, Config, Sim};
 
 const MIB: usize = 1 << 20;
 const KIB: usize = 1 << 10;
-
-fn rounded_small(size: usize) -> bool {
-    size.next_multiple_of(512) <= MIB
-}
-
-/// True (model) requested-bytes and allocation counts: [all, small, large] current and peak.
-#[derive(Default, Debug)]
-struct Model {
-    req: [i64; 3],
-    req_peak: [i64; 3],
-    n: [i64; 3],
-    n_peak: [i64; 3],
-}
-
-impl Model {
-    fn add(&mut self, size: usize, sign: i64) {
-        let k = if rounded_small(size) { 1 } else { 2 };
-        for i in [0, k] {
-            self.req[i] += sign * size as i64;
-            self.n[i] += sign;
-            self.req_peak[i] = self.req_peak[i].max(self.req[i]);
-            self.n_peak[i] = self.n_peak[i].max(self.n[i]);
-        }
-    }
-    fn check(&self, a: &Allocator<Sim>, what: &str) {
-        let s = a.memory_stats();
-        let r = &s.requested_bytes;
-        let n = &s.allocation;
-        let got_req = [r.all, r.small_pool, r.large_pool].map(|x| (x.current, x.peak));
-        let got_n = [n.all, n.small_pool, n.large_pool].map(|x| (x.current, x.peak));
-        let want_req: [(i64, i64); 3] = std::array::from_fn(|i| (self.req[i], self.req_peak[i]));
-        let want_n: [(i64, i64); 3] = std::array::from_fn(|i| (self.n[i], self.n_peak[i]));
-        assert_eq!(got_req, want_req, "requested_bytes (current, peak) all/small/large, {what}");
-        assert_eq!(got_n, want_n, "allocation (current, peak) all/small/large, {what}");
-    }
-}
 
 /// One thread: the peaks of `requested_bytes` and `allocation` are those of the true sums.
 fn peak_fuzz(seed: u64, steps: usize, check_every: usize) {

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod drains;
+pub(crate) mod model;
 pub(crate) mod mutate;
 pub(crate) mod ptx;
 pub(crate) mod sock;
