@@ -6,7 +6,6 @@ use common::model::Model;
 use common::{check_invariants, Rng};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Buffer, Config, Sim};
-use std::cell::RefCell;
 use std::sync::mpsc::{channel, Receiver, Sender};
 
 /// A buffer and the bytes it was asked for.
@@ -125,19 +124,6 @@ fn solo_after_exited_threads() {
     }
 }
 
-/// Runs its closure when its thread's locals are destroyed.
-struct AtExit(Option<Box<dyn FnOnce()>>);
-impl Drop for AtExit {
-    fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            f();
-        }
-    }
-}
-thread_local! {
-    static AT_EXIT: RefCell<AtExit> = const { RefCell::new(AtExit(None)) };
-}
-
 /// C3: the main thread is the one member while another thread, its locals gone (a
 /// thread-local destructor after the allocator's), allocates and frees through the retired
 /// counters, in turns; main's peaks after each reset are exact.
@@ -152,25 +138,23 @@ fn solo_with_locals_gone_thread_in_turns() {
         let (done_tx, done_rx) = channel::<()>();
         let a2 = a.clone();
         let t = std::thread::spawn(move || {
-            AT_EXIT.with(|_| ()); // registered first: destroyed after the allocator's locals
+            common::at_exit_first(); // registered first: destroyed after the allocator's locals
             if had_cache {
                 drop(a2.alloc::<u8>(4 * KIB).unwrap());
             }
             let a3 = a2.clone();
-            AT_EXIT.with(|e| {
-                e.borrow_mut().0 = Some(Box::new(move || {
-                    let mut held: Vec<Buffer<u8, Sim>> = Vec::new();
-                    while let Ok(msg) = go_rx.recv() {
-                        match msg {
-                            Some(size) => held.push(a3.alloc::<u8>(size).unwrap()),
-                            None => {
-                                held.pop();
-                            }
+            common::at_exit(move || {
+                let mut held: Vec<Buffer<u8, Sim>> = Vec::new();
+                while let Ok(msg) = go_rx.recv() {
+                    match msg {
+                        Some(size) => held.push(a3.alloc::<u8>(size).unwrap()),
+                        None => {
+                            held.pop();
                         }
-                        done_tx.send(()).unwrap();
                     }
-                    drop(held);
-                }))
+                    done_tx.send(()).unwrap();
+                }
+                drop(held);
             });
         });
         let mut theirs: Vec<usize> = Vec::new();

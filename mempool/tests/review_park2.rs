@@ -9,24 +9,10 @@ mod common;
 use common::check_invariants;
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Config};
-use std::cell::RefCell;
 use std::sync::mpsc::{channel, Receiver, Sender};
 
 const MIB: usize = 1 << 20;
 const KIB: usize = 1 << 10;
-
-/// Runs its closure when its thread's locals are destroyed.
-struct AtExit(Option<Box<dyn FnOnce()>>);
-impl Drop for AtExit {
-    fn drop(&mut self) {
-        if let Some(f) = self.0.take() {
-            f();
-        }
-    }
-}
-thread_local! {
-    static AT_EXIT: RefCell<AtExit> = const { RefCell::new(AtExit(None)) };
-}
 
 /// The P2 sequence of review_park.rs, the other thread allocating from a thread-local
 /// destructor that runs after the allocator's own thread-locals are gone (the thread had a
@@ -56,17 +42,15 @@ fn exiting_thread_turns(cache: bool, expandable: bool) -> (i64, i64) {
         from_t1.recv().unwrap();
         let a3 = a2.clone();
         // Registered before the allocator's thread-locals: destroyed after them.
-        AT_EXIT.with(|e| {
-            e.borrow_mut().0 = Some(Box::new(move || {
-                to_t1.send(()).unwrap();
-                from_t1.recv().unwrap();
-                let d = a3.alloc::<u8>(12 * MIB).unwrap();
-                let e = a3.alloc::<u8>(17 * MIB).unwrap();
-                let s = a3.memory_stats();
-                stats_tx.send((s.segment.all.peak, s.reserved_bytes.all.peak)).unwrap();
-                drop((d, e));
-                to_t1.send(()).unwrap();
-            }))
+        common::at_exit(move || {
+            to_t1.send(()).unwrap();
+            from_t1.recv().unwrap();
+            let d = a3.alloc::<u8>(12 * MIB).unwrap();
+            let e = a3.alloc::<u8>(17 * MIB).unwrap();
+            let s = a3.memory_stats();
+            stats_tx.send((s.segment.all.peak, s.reserved_bytes.all.peak)).unwrap();
+            drop((d, e));
+            to_t1.send(()).unwrap();
         });
         // This thread's cache of the allocator (made now, so dropped before AT_EXIT).
         drop(a2.alloc::<u8>(512).unwrap());
@@ -111,20 +95,18 @@ fn one_thread_exiting(cache: bool, expandable: bool) -> (i64, i64) {
     let (stats_tx, stats_rx) = channel::<(i64, i64)>();
     let a1 = a.clone();
     std::thread::spawn(move || {
-        AT_EXIT.with(|_| ()); // registered first: destroyed after the allocator's locals
+        common::at_exit_first(); // registered first: destroyed after the allocator's locals
         let x = a1.alloc::<u8>(6 * MIB).unwrap();
         let c = a1.alloc::<u8>(13 * MIB + 512 * KIB).unwrap();
         let y = a1.alloc::<u8>(2 * MIB).unwrap();
         drop(c); // parked
         let a3 = a1.clone();
-        AT_EXIT.with(|e| {
-            e.borrow_mut().0 = Some(Box::new(move || {
-                let d = a3.alloc::<u8>(12 * MIB).unwrap();
-                let e = a3.alloc::<u8>(17 * MIB).unwrap();
-                let s = a3.memory_stats();
-                stats_tx.send((s.segment.all.peak, s.reserved_bytes.all.peak)).unwrap();
-                drop((d, e, x, y));
-            }))
+        common::at_exit(move || {
+            let d = a3.alloc::<u8>(12 * MIB).unwrap();
+            let e = a3.alloc::<u8>(17 * MIB).unwrap();
+            let s = a3.memory_stats();
+            stats_tx.send((s.segment.all.peak, s.reserved_bytes.all.peak)).unwrap();
+            drop((d, e, x, y));
         });
     })
     .join()

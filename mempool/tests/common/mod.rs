@@ -207,3 +207,30 @@ pub(crate) fn eventually(mut cond: impl FnMut() -> bool) -> bool {
     }
     cond()
 }
+
+/// A closure its thread runs while its thread-locals are destroyed (see `at_exit_first`).
+struct AtExit(Option<Box<dyn FnOnce()>>);
+
+impl Drop for AtExit {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+thread_local! {
+    static AT_EXIT: std::cell::RefCell<AtExit> = const { std::cell::RefCell::new(AtExit(None)) };
+}
+
+/// Registers this thread's exit closure before anything else of the thread's locals (call it
+/// before the allocator's are made): it then runs after theirs are destroyed, a thread with no
+/// locals left.
+pub(crate) fn at_exit_first() {
+    AT_EXIT.with(|_| ());
+}
+
+/// Sets the closure this thread runs at its exit (registered first by `at_exit_first`, or now).
+pub(crate) fn at_exit(f: impl FnOnce() + 'static) {
+    AT_EXIT.with(|e| e.borrow_mut().0 = Some(Box::new(f)));
+}
