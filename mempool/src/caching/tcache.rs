@@ -1116,8 +1116,12 @@ impl Registry {
     #[cold]
     #[inline(never)]
     pub(super) fn drain_parked(&self, into: &mut Vec<Cached>, own: Option<*const Shared>) {
-        super::asym::fence();
-        crate::sync::fence(Ordering::SeqCst);
+        // With no other live cache, no owner can be parking now (a thread that joins later
+        // sees this one and does not park): exited threads' caches need no fence.
+        if self.live.load(Ordering::SeqCst) > 1 {
+            super::asym::fence();
+            crate::sync::fence(Ordering::SeqCst);
+        }
         self.drain_orphans_and_large(into, own);
     }
 
