@@ -1309,6 +1309,13 @@ mod loom_tests {
         }
     }
 
+    /// A registry, its first thread's cache, and a board.
+    fn setup() -> (Arc<Registry>, Owner, Board) {
+        let reg = Arc::new(Registry::default());
+        let own = reg.make();
+        (reg, own, Board::default())
+    }
+
     /// Blocks 0 and 1 end with exactly one party: the owner (`mine`), the drainer, or the
     /// registry's close (what is left in the caches).
     fn each_with_one_party(reg: &Registry, mine: Vec<BlockIdx>, drained: Vec<Cached>) {
@@ -1325,9 +1332,7 @@ mod loom_tests {
     #[test]
     fn owner_and_drain() {
         model(|| {
-            let reg = Arc::new(Registry::default());
-            let mut own = reg.make();
-            let board = Board::default();
+            let (reg, mut own, board) = setup();
             let s = StreamKey(7);
             // Two blocks of one size cached before the drainer starts.
             assert!(own.put(&board, s, 512, &a(0, 512, 0x1000, false)));
@@ -1369,9 +1374,7 @@ mod loom_tests {
     #[test]
     fn parking_against_a_joining_thread() {
         model(|| {
-            let reg = Arc::new(Registry::default());
-            let mut own = reg.make();
-            let board = Board::default();
+            let (reg, mut own, board) = setup();
             let r2 = reg.clone();
             let joiner = loom::thread::spawn(move || {
                 let o2 = r2.make();
@@ -1397,9 +1400,7 @@ mod loom_tests {
     #[test]
     fn parked_block_and_segment_drain() {
         model(|| {
-            let reg = Arc::new(Registry::default());
-            let mut own = reg.make();
-            let board = Board::default();
+            let (reg, mut own, board) = setup();
             let s = StreamKey(7);
             assert!(own.park(&board, s, 1000, &a(0, 1024, 0x100_0000, false), false));
             let r2 = reg.clone();
@@ -1426,9 +1427,7 @@ mod loom_tests {
     #[test]
     fn large_bin_and_segment_drain() {
         model(|| {
-            let reg = Arc::new(Registry::default());
-            let mut own = reg.make();
-            let board = Board::default();
+            let (reg, mut own, board) = setup();
             let s = StreamKey(7);
             let big = 4 << 20;
             assert!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)));
@@ -1457,9 +1456,7 @@ mod loom_tests {
     #[test]
     fn deferred_free_is_counted_once() {
         model(|| {
-            let reg = Arc::new(Registry::default());
-            let mut own = reg.make();
-            let board = Board::default();
+            let (reg, mut own, board) = setup();
             let s = StreamKey(7);
             assert!(own.put(&board, s, 512, &a(0, 512, 0x1000, true)));
             assert!(own.deferred != 0, "the first free is deferred");
