@@ -1316,6 +1316,19 @@ mod loom_tests {
         (reg, own, Board::default())
     }
 
+    /// Another thread running `drain` (with no cache of its own) on `reg`: its blocks.
+    fn drainer(
+        reg: &Arc<Registry>,
+        drain: fn(&Registry, &mut Vec<Cached>, Option<*const Shared>),
+    ) -> loom::thread::JoinHandle<Vec<Cached>> {
+        let r2 = reg.clone();
+        loom::thread::spawn(move || {
+            let mut got = Vec::new();
+            drain(&r2, &mut got, None);
+            got
+        })
+    }
+
     /// Blocks 0 and 1 end with exactly one party: the owner (`mine`), the drainer, or the
     /// registry's close (what is left in the caches).
     fn each_with_one_party(reg: &Registry, mine: Vec<BlockIdx>, drained: Vec<Cached>) {
@@ -1337,12 +1350,7 @@ mod loom_tests {
             // Two blocks of one size cached before the drainer starts.
             assert!(own.put(&board, s, 512, &a(0, 512, 0x1000, false)));
             assert!(own.put(&board, s, 512, &a(1, 512, 0x1200, true)));
-            let r2 = reg.clone();
-            let drainer = loom::thread::spawn(move || {
-                let mut got = Vec::new();
-                r2.drain_all(&mut got, None);
-                got
-            });
+            let drainer = drainer(&reg, Registry::drain_all);
             let mut mine = Vec::new();
             if let Some(h) = own.take(&board, s, PoolRef::DEFAULT, 512) {
                 mine.push(h.block);
@@ -1403,12 +1411,7 @@ mod loom_tests {
             let (reg, mut own, board) = setup();
             let s = StreamKey(7);
             assert!(own.park(&board, s, 1000, &a(0, 1024, 0x100_0000, false), false));
-            let r2 = reg.clone();
-            let drainer = loom::thread::spawn(move || {
-                let mut got = Vec::new();
-                r2.drain_orphans_and_large(&mut got, None);
-                got
-            });
+            let drainer = drainer(&reg, Registry::drain_orphans_and_large);
             let mut mine = Vec::new();
             // Not reusable: no request takes it back.
             assert!(own.take(&board, s, PoolRef::DEFAULT, 1000).is_none());
@@ -1431,12 +1434,7 @@ mod loom_tests {
             let s = StreamKey(7);
             let big = 4 << 20;
             assert!(own.put(&board, s, big, &a(0, big, 0x100_0000, false)));
-            let r2 = reg.clone();
-            let drainer = loom::thread::spawn(move || {
-                let mut got = Vec::new();
-                r2.drain_orphans_and_large(&mut got, None);
-                got
-            });
+            let drainer = drainer(&reg, Registry::drain_orphans_and_large);
             let mut mine = Vec::new();
             if let Some(h) = own.take(&board, s, PoolRef::DEFAULT, big) {
                 // Reused, and freed again: it is back in the cache (the drain may take it now).
@@ -1460,12 +1458,7 @@ mod loom_tests {
             let s = StreamKey(7);
             assert!(own.put(&board, s, 512, &a(0, 512, 0x1000, true)));
             assert!(own.deferred != 0, "the first free is deferred");
-            let r2 = reg.clone();
-            let drainer = loom::thread::spawn(move || {
-                let mut got = Vec::new();
-                r2.drain_all(&mut got, None);
-                got
-            });
+            let drainer = drainer(&reg, Registry::drain_all);
             assert!(own.settle(&board).is_none(), "a default-pool block stays cached");
             let drained = drainer.join().unwrap();
             let by_drain = drained.iter().filter(|c| c.uncounted.is_some()).count();
