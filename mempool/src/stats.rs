@@ -328,7 +328,16 @@ pub(crate) struct Board {
     /// Not a statistic, but shared the same way (the allocator's state and its thread caches):
     /// a generation per free set, bumped under the lock at each change of the set.
     pub(crate) gens: SetGens,
+    /// `g[e] + g_shared[e]` = Σ committed of entry `e`. `g` is written by the one member
+    /// named by `solo` only, with a load and a store (no locked instruction: a commit per
+    /// rising allocation on the locked path cost a sixteenth of a `latency mixed` step);
+    /// `g_shared` by everyone else, with atomic adds. One writer: a thread is named `solo` only
+    /// after every other member has retired, and a member retires only after its thread is
+    /// done with its counters (its cache's orphan flag, released, read by the drain that
+    /// retires it, which then names the new `solo` under the members' lock); the retired
+    /// counters and cache-less threads are never `solo`.
     g: [AtomicI64; M],
+    g_shared: [AtomicI64; M],
     peak: [AtomicI64; N],
     members: Mutex<Vec<Arc<ThreadStats>>>,
     /// The address of the one member while there is exactly one (0 otherwise), set under the
@@ -347,6 +356,7 @@ impl Default for Board {
         Board {
             gens: SetGens::default(),
             g: std::array::from_fn(|_| AtomicI64::new(0)),
+            g_shared: std::array::from_fn(|_| AtomicI64::new(0)),
             peak: std::array::from_fn(|_| AtomicI64::new(0)),
             members: Mutex::new(Vec::new()),
             solo: AtomicU64::new(0),
@@ -480,7 +490,7 @@ impl ThreadStats {
         if d == 0 {
             return;
         }
-        let g = board.g[e].fetch_add(d, Ordering::Relaxed) + d;
+        let g = board.add_g(self, e, d);
         self.committed[e].store(c, Ordering::Relaxed);
         if d > 0 {
             // A read first: most commits set no new peak, and a load leaves the line shared.
@@ -495,10 +505,10 @@ impl ThreadStats {
             // kind rising back within its slack unchecked. (Committing them at every rising
             // commit cost a second atomic add per allocation whenever kinds alternate.)
             let peak = board.peak[s * 3].load(Ordering::Relaxed);
-            let mut all = g + board.g[e ^ 1].load(Ordering::Relaxed);
+            let mut all = g + board.g(e ^ 1);
             if all > peak && self.cur[e ^ 1].load(Ordering::Relaxed) != self.committed[e ^ 1].load(Ordering::Relaxed) {
                 self.commit(board, e ^ 1);
-                all = g + board.g[e ^ 1].load(Ordering::Relaxed);
+                all = g + board.g(e ^ 1);
             }
             if all > peak {
                 board.census(s * 3, all, self);
@@ -636,11 +646,11 @@ impl ThreadStats {
     pub(crate) fn recheck_peaks(&self, board: &Board, small: bool) {
         for s in [ALLOCATION, ACTIVE, ALLOCATED_BYTES, ACTIVE_BYTES, REQUESTED_BYTES] {
             let e = s * 2 + !small as usize;
-            let g = board.g[e].load(Ordering::Relaxed);
+            let g = board.g(e);
             if g > board.peak[s * 3 + 1 + !small as usize].load(Ordering::Relaxed) {
                 board.census(s * 3 + 1 + !small as usize, g, self);
             }
-            let all = g + board.g[e ^ 1].load(Ordering::Relaxed);
+            let all = g + board.g(e ^ 1);
             if all > board.peak[s * 3].load(Ordering::Relaxed) {
                 board.census(s * 3, all, self);
             }
@@ -787,6 +797,25 @@ impl ThreadStats {
 }
 
 impl Board {
+    /// Σ committed of per-thread entry `e` (never below the true sum).
+    #[inline(always)]
+    fn g(&self, e: usize) -> i64 {
+        self.g[e].load(Ordering::Relaxed) + self.g_shared[e].load(Ordering::Relaxed)
+    }
+
+    /// `me` commits `d` more of entry `e`; returns the new Σ committed. The one member adds
+    /// with a plain load and store (the only writer of `g`, see there), the others atomically.
+    #[inline(always)]
+    fn add_g(&self, me: &ThreadStats, e: usize, d: i64) -> i64 {
+        if self.solo.load(Ordering::Acquire) == me as *const ThreadStats as u64 {
+            let g = self.g[e].load(Ordering::Relaxed) + d;
+            self.g[e].store(g, Ordering::Relaxed);
+            g + self.g_shared[e].load(Ordering::Relaxed)
+        } else {
+            self.g_shared[e].fetch_add(d, Ordering::Relaxed) + d + self.g[e].load(Ordering::Relaxed)
+        }
+    }
+
     fn peak(&self, i: usize) -> i64 {
         self.peak[i].load(Ordering::Relaxed)
     }
