@@ -1362,11 +1362,14 @@ impl DeviceAllocator {
     /// would otherwise count as an inactive-split block of its own, unmerged).
     pub(crate) fn stats(&self) -> MemoryStats {
         self.drain_caches();
-        let (counters, max_split) = {
+        // Summed under the lock: a block another thread's drain files (under the lock) is
+        // counted free in the drainer's counters first, then its deferred record is cleared in
+        // its owner's; a sum between the two counted its free twice.
+        let (counters, max_split, sum) = {
             let st = self.lock();
-            (st.stats.clone(), st.config.max_split_size)
+            (st.stats.clone(), st.config.max_split_size, self.caches.sum())
         };
-        counters.report(&self.caches.sum(), &self.caches.board, max_split)
+        counters.report(&sum, &self.caches.board, max_split)
     }
 
     pub(crate) fn pool_stats(&self, pool: PoolRef) -> PoolStats {
