@@ -39,7 +39,7 @@ const IDLE: Duration = Duration::from_millis(100);
 /// The allocator's parts a look uses, shared with the allocator (see the module's
 /// documentation).
 struct Parts {
-    state: Arc<Mutex<State>>,
+    state: Arc<super::bias::BiasedMutex<State>>,
     backend: Arc<dyn Backend>,
     has_work: Arc<AtomicBool>,
     has_error: Arc<AtomicBool>,
@@ -126,7 +126,7 @@ impl DeviceAllocator {
                 // Not expected; if it happens, the allocations process events again rather than
                 // leave freed blocks waiting for a thread that is gone.
                 crate::backend::drop_payload(payload);
-                parts.state.lock().unwrap_or_else(PoisonError::into_inner).background = false;
+                parts.state.lock().background = false;
             }
         });
         match spawned {
@@ -151,7 +151,7 @@ impl DeviceAllocator {
 /// Returns (whether any event completed, whether some are still pending and can complete now:
 /// none while a capture is under way, when no event may be queried).
 fn poll_events(p: &Parts) -> (bool, bool) {
-    let mut st = p.state.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut st = p.state.lock();
     let before = st.pending.len() + st.foreign.len();
     if before == 0 {
         return (false, false);

@@ -24,6 +24,7 @@
 
 mod asym;
 mod background;
+mod bias;
 mod capture;
 mod events;
 mod expand;
@@ -36,7 +37,7 @@ mod tcache;
 use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
+use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 
 use crate::backend::{contain, Backend, BackendError, Keep};
 use crate::config::Config;
@@ -181,7 +182,7 @@ pub(crate) struct DeviceAllocator {
     id: AllocatorId,
     /// Shared with the background event thread (`background.rs`), as are `has_work` and
     /// `has_error`.
-    state: Arc<Mutex<State>>,
+    state: Arc<bias::BiasedMutex<State>>,
     /// Held by the thread running the outbox.
     outbox: Mutex<()>,
     /// Whether the outbox may hold work (checked without the lock on the way out of a call).
@@ -216,7 +217,7 @@ pub(crate) struct DeviceAllocator {
 /// the retired ones, whose lock it then holds too).
 struct Locked<'a> {
     /// Taken out only by `Drop` (no `Option`: every access through `Deref` would test it).
-    guard: std::mem::ManuallyDrop<MutexGuard<'a, State>>,
+    guard: std::mem::ManuallyDrop<bias::BiasedGuard<'a, State>>,
     retired: Option<crate::sync::MutexGuard<'a, ()>>,
     owner: &'a DeviceAllocator,
 }
@@ -335,7 +336,7 @@ impl DeviceAllocator {
         }
         DeviceAllocator {
             rounding: config,
-            state: Arc::new(Mutex::new(state)),
+            state: Arc::new(bias::BiasedMutex::new(state)),
             backend,
             id,
             outbox: Mutex::new(()),
@@ -377,25 +378,30 @@ impl DeviceAllocator {
         // This thread's counters, found before the lock is taken (a thread's first call makes
         // its cache, which takes the registry's locks).
         let (mine, held, joined) = if closing {
-            (None, [None, None], false)
+            (None, [0, 0], false)
         } else {
             match self.caches.mine_stats(self.id, take_large) {
                 Some((to, slack, held, joined)) => (Some((to, slack)), held, joined),
                 // No cache (this thread's locals are gone: a thread-local destructor, after
                 // the caches'): parked blocks, its own orphaned cache's included, are filed
                 // with every such call, or its best fit would miss them. Rare.
-                None => (None, [None, None], true),
+                None => (None, [0, 0], true),
             }
         };
         // This thread's first locked call: other threads' parked blocks are filed with it.
         let parked = if joined { self.take_parked() } else { Vec::new() };
-        let mut g = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut g = self.state.lock();
         let mut retired = None;
+        // SAFETY: this thread's counters, which its cache keeps alive while this allocator is
+        // (we are in one of its calls).
+        let own = mine.map(|(to, _)| unsafe { to.as_ref() });
         match mine {
             // SAFETY: this thread's counters, which its cache keeps alive while this allocator
             // is (we are in one of its calls), written by this thread only; cleared when the
             // `Locked` is dropped, before the state lock is let go.
             Some((to, slack)) => {
+                // SAFETY: as above.
+                let to = std::ptr::NonNull::from(&**unsafe { to.as_ref() });
                 // SAFETY: as above; read by this thread, its only writer.
                 let elided = unsafe { to.as_ref() }.take_pool_elided();
                 // SAFETY: as above.
@@ -419,12 +425,12 @@ impl DeviceAllocator {
         let mut st = Locked { guard: std::mem::ManuallyDrop::new(g), retired, owner: self };
         // A user pool's block this thread held as a deferred free, settled, and the large
         // bin's block: filed (and counted) under this lock.
-        let [settled, large] = held;
-        if let Some(c) = settled {
-            st.free_cached(c);
-        }
-        if let Some(c) = large {
-            st.free_cached(c);
+        if let Some(own) = own {
+            for w in held {
+                if w != 0 {
+                    st.free_cached(tcache::unpack(w, own));
+                }
+            }
         }
         for c in parked {
             st.free_cached(c);

@@ -92,7 +92,7 @@ impl Cached {
 }
 
 /// The block of slot word `v`, cached by the owner of `stats`.
-fn unpack(v: u64, stats: &Arc<ThreadStats>) -> Cached {
+pub(super) fn unpack(v: u64, stats: &Arc<ThreadStats>) -> Cached {
     Cached {
         block: BlockIdx::from_key((v >> 2) as u32),
         split: v & 1 == 1,
@@ -396,27 +396,22 @@ impl Owner {
 
     /// Takes this thread's cached large block out (before it takes the lock for anything else).
     #[inline(always)]
-    pub(super) fn take_large(&mut self) -> Option<Cached> {
+    /// (Its slot word, 0 for none: see `Registry::mine_stats`.)
+    pub(super) fn take_large(&mut self) -> u64 {
         let m = &mut self.meta[LARGE];
         if m.n == 0 {
-            return None;
+            return 0;
         }
         m.n = 0;
         self.bytes = self.bytes.saturating_sub(m.size);
         // As a reuse takes a block: plain accesses under the asymmetric protocol (a swap, a
         // locked instruction, was a tenth of a locked allocation's time).
         let v = self.shared.take_slot(LARGE, 0);
-        (v != 0).then(|| self.own_taken(unpack(v, &self.shared.stats)))
-    }
-
-    /// The owner took a block out to file it: if its free was the deferred one, the filing
-    /// counts it (and clears the record).
-    #[inline(always)]
-    fn own_taken(&mut self, c: Cached) -> Cached {
-        if c.uncounted.is_some() {
+        if v & UNCOUNTED != 0 {
+            // Its filing counts it (see `own_taken`).
             self.deferred = 0;
         }
-        c
+        v
     }
 
     /// Counts the deferred free, if there is one (before another block is cached, and before
@@ -427,14 +422,23 @@ impl Owner {
     /// under the lock, which counts its free.
     #[inline(always)]
     pub(super) fn settle(&mut self, board: &Board) -> Option<Cached> {
+        match self.settle_word(board) {
+            0 => None,
+            w => Some(unpack(w, &self.shared.stats)),
+        }
+    }
+
+    /// `settle`, the block as its slot word (0: none).
+    #[inline(always)]
+    fn settle_word(&mut self, board: &Board) -> u64 {
         if self.deferred != 0 {
             return self.settle_now(board);
         }
-        None
+        0
     }
 
     #[inline(never)]
-    fn settle_now(&mut self, board: &Board) -> Option<Cached> {
+    fn settle_now(&mut self, board: &Board) -> u64 {
         let word = std::mem::take(&mut self.deferred);
         // Not taken back at once: count the next frees as they come for a while.
         self.defer_wait = DEFER_WAIT;
@@ -451,15 +455,15 @@ impl Owner {
                     m.n = slot;
                 }
                 self.bytes -= m.size;
-                return Some(unpack(word, &self.shared.stats));
+                return word;
             }
-            return None;
+            return 0;
         }
         if s.compare_exchange(word, word & !UNCOUNTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             self.shared.stats.undefer();
             self.shared.stats.on_cache(board, self.slack, m.small, m.size, m.requested, word & 1 == 1);
         }
-        None
+        0
     }
 
     /// A cached block for a request of `requested` bytes on `stream`, counted as allocated.
@@ -1096,15 +1100,18 @@ impl Registry {
         &self,
         id: AllocatorId,
         take_large: bool,
-    ) -> Option<(NonNull<ThreadStats>, i64, [Option<Cached>; 2], bool)> {
+    ) -> Option<(NonNull<Arc<ThreadStats>>, i64, [u64; 2], bool)> {
         // Not through `with_mine`: its closure was not inlined, and returned this through memory.
         let mut o = self.mine_cache(id)?;
         // A deferred free is settled first; a user pool's block comes out to be filed.
-        let settled = o.settle(&self.board);
-        let large = if take_large { o.take_large() } else { None };
+        // (Slot words, 0 for none, not `Cached`s: returned through memory, a `Cached` was
+        // written field by field and read back whole, a store-forwarding stall on every
+        // locked call.)
+        let settled = o.settle_word(&self.board);
+        let large = if take_large { o.take_large() } else { 0 };
         // This thread's first locked call: the blocks other threads parked are filed first.
         let joined = std::mem::take(&mut o.fresh);
-        Some((NonNull::from(o.stats()), o.slack, [settled, large], joined))
+        Some((NonNull::from(&o.shared.stats), o.slack, [settled, large], joined))
     }
 
     /// A thread's first locked call (see `Owner::park`): takes out the blocks other threads
