@@ -68,6 +68,12 @@ fn pack(block: BlockIdx, split: bool) -> u64 {
     (u64::from(block.to_key()) << 2) | u64::from(split)
 }
 
+/// The block of slot word `v` (0: none).
+#[cfg(loom)]
+fn block_of(v: u64) -> Option<BlockIdx> {
+    (v != 0).then(|| BlockIdx::from_key((v >> 2) as u32))
+}
+
 /// The bit of a slot word whose block's free is deferred (not counted yet).
 const UNCOUNTED: u64 = 2;
 
@@ -1399,7 +1405,7 @@ mod loom_tests {
             });
             let parked = own.park(&board, StreamKey(7), 1000, &a(0, 1024, 0x100_0000, false), false);
             let (got, o2) = joiner.join().unwrap();
-            let left = own.take_large().map(|c| c.block);
+            let left = block_of(own.take_large());
             if parked {
                 assert_eq!((got, left), (vec![b(0)], None), "parked: the joiner's drain has it");
             } else {
@@ -1426,7 +1432,7 @@ mod loom_tests {
                 // The bin still held block 0: block 1 is the caller's to free.
                 mine.push(b(1));
             }
-            mine.extend(own.take_large().map(|c| c.block));
+            mine.extend(block_of(own.take_large()));
             each_with_one_party(&reg, mine, drainer.join().unwrap());
         });
     }
@@ -1450,7 +1456,7 @@ mod loom_tests {
             }
             assert!(own.put(&board, s, big, &a(1, big, 0x200_0000, false)), "the large bin refused a block");
             mine.extend(own.spill.drain(..).map(|c| c.block));
-            mine.extend(own.take_large().map(|c| c.block));
+            mine.extend(block_of(own.take_large()));
             each_with_one_party(&reg, mine, drainer.join().unwrap());
         });
     }
