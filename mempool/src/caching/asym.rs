@@ -89,7 +89,12 @@ pub(super) fn fence() {
     }
     let since = *OFF_SINCE.get_or_init(Instant::now);
     if FAST.swap(false, Ordering::AcqRel) {
-        eprintln!(
+        // Never a panic here (`eprintln!` panics on a closed pipe): a revoker of the state
+        // lock's bias (`bias.rs`) runs this between clearing the bias and waiting for its
+        // holder, and must not unwind out of that.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
             "mempool: membarrier was refused ({}); thread caches take with atomic swaps from now on",
             std::io::Error::last_os_error()
         );

@@ -22,12 +22,14 @@
 //! clears its flag around its second read after another thread was biased; a flag shared by
 //! all threads would then be cleared under the new biased thread's feet.) A slot passes to a
 //! new thread only after its old thread has exited, so a bias that names it hands the lock to
-//! the new thread, which sees the old one's writes through the slot list's lock. Where
-//! `membarrier` is refused, [`asym::fence`] turns the fast mode off and waits out the grace
-//! time, and biased threads, which read [`asym::fast`] first, stop taking the fast way, as the
-//! thread caches' owners do (see there for the argument and its limit). Without `membarrier`
-//! at all (or under loom or Miri) no thread is ever biased; nor is a thread beyond the first
-//! [`SLOTS`] alive at once.
+//! the new thread, which sees the old one's writes through the free-slot bits (released by the
+//! old thread, acquired by the new). Where `membarrier` is refused, [`asym::fence`] turns the
+//! fast mode off and waits out the grace time, and biased threads, which read [`asym::fast`]
+//! first, stop taking the fast way, as the thread caches' owners do (see there for the argument
+//! and its limit). Without `membarrier` at all (or under loom or Miri) no thread is ever biased;
+//! nor is a thread beyond the first [`SLOTS`] alive at once. A revoker waiting for the biased
+//! thread spins briefly, yields, then sleeps (a yield gives the processor only to threads of its
+//! own priority).
 //!
 //! **When.** A thread becomes biased when it lets go of `inner` having taken it [`REBIAS`]
 //! times in a row with no other thread taking it in between (never while it holds `inner`, so a
@@ -44,7 +46,7 @@
 use std::cell::{Cell, UnsafeCell};
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{compiler_fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{compiler_fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::asym;
@@ -108,8 +110,11 @@ thread_local! {
     static RETURN: SlotReturn = const { SlotReturn };
 }
 
-/// Slots given back by exited threads, and the next never used.
-static FREE_SLOTS: Mutex<(Vec<u32>, u32)> = Mutex::new((Vec::new(), 1));
+/// Free slots: bit `k` for slot `k + 1`. Atomic, not a list under a lock: a fork while
+/// another thread held such a lock (exiting, or taking its first slot) left it locked for ever
+/// in the child, whose first lock of any allocator then hung.
+static FREE_SLOTS: AtomicU64 = AtomicU64::new(u64::MAX);
+const _: () = assert!(SLOTS == 64, "one bit of FREE_SLOTS per slot");
 
 struct SlotReturn;
 
@@ -117,7 +122,8 @@ impl Drop for SlotReturn {
     fn drop(&mut self) {
         let s = SLOT.with(|c| c.replace(NO_SLOT));
         if (1..=SLOTS as u32).contains(&s) {
-            FREE_SLOTS.lock().unwrap_or_else(PoisonError::into_inner).0.push(s);
+            // Release: the next thread given the slot (acquiring) sees all this one did.
+            FREE_SLOTS.fetch_or(1 << (s - 1), Ordering::Release);
         }
     }
 }
@@ -135,15 +141,15 @@ fn ask_slot() -> u32 {
     if RETURN.try_with(|_| ()).is_err() {
         return NO_SLOT;
     }
-    let s = {
-        let mut free = FREE_SLOTS.lock().unwrap_or_else(PoisonError::into_inner);
-        match free.0.pop() {
-            Some(s) => s,
-            None if free.1 as usize <= SLOTS => {
-                free.1 += 1;
-                free.1 - 1
-            }
-            None => NO_SLOT,
+    let mut free = FREE_SLOTS.load(Ordering::Relaxed);
+    let s = loop {
+        if free == 0 {
+            break NO_SLOT;
+        }
+        let k = free.trailing_zeros();
+        match FREE_SLOTS.compare_exchange_weak(free, free & !(1 << k), Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => break k + 1,
+            Err(now) => free = now,
         }
     };
     let _ = SLOT.try_with(|c| c.set(s));
@@ -190,7 +196,8 @@ impl<T> BiasedMutex<T> {
 
     #[inline(never)]
     fn lock_slow(&self, me: u32) -> BiasedGuard<'_, T> {
-        let me = if me == UNASKED { ask_slot() } else { me };
+        // A slot only where a thread can be biased (no membarrier: never).
+        let me = if me == UNASKED && asym::fast() { ask_slot() } else { me };
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         match self.bias.load(Ordering::Relaxed) {
             0 => {}
@@ -209,12 +216,17 @@ impl<T> BiasedMutex<T> {
                 let mut spins = 0u32;
                 while busy.load(Ordering::Acquire) {
                     // The biased thread is inside a locked section (no user code, no waiting):
-                    // a short spin, then let it run.
+                    // a short spin, a few yields, then sleeps (a yield gives the processor only
+                    // to threads of the caller's priority: a real-time revoker on the holder's
+                    // processor would spin until throttled).
+                    spins += 1;
                     if spins < 64 {
-                        spins += 1;
                         std::hint::spin_loop();
-                    } else {
+                    } else if spins < 80 {
                         std::thread::yield_now();
+                    } else {
+                        let us = 1u64 << (spins - 80).min(10);
+                        std::thread::sleep(std::time::Duration::from_micros(us));
                     }
                 }
             }
@@ -309,7 +321,6 @@ impl<T> std::fmt::Debug for BiasedMutex<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::AtomicU64;
     use std::sync::Arc;
 
     /// One thread takes the lock over and over (biased after `REBIAS` takes, and again after

@@ -1404,8 +1404,10 @@ impl DeviceAllocator {
     pub(crate) fn reset_peak_stats(&self) {
         // Nothing cached: the pools' counters (kept under the lock) are then the true ones.
         self.drain_caches();
-        self.caches.reset_peaks(self.id);
+        self.caches.commit_for_reset(self.id);
         let mut st = self.lock();
+        // Summed under the lock, as `stats` sums (a filing is counted in two steps).
+        self.caches.board.reset_peaks();
         st.stats.reset_peak();
         let board = self.caches.board.clone();
         for p in st.pools.iter_mut().filter(|p| p.live) {

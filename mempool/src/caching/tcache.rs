@@ -1223,19 +1223,18 @@ impl Registry {
         self.board.sum()
     }
 
-    /// Restarts the peaks from the values now; this thread commits everything first, so that
-    /// with one thread at a time the peaks stay exact.
-    pub(super) fn reset_peaks(&self, id: AllocatorId) {
+    /// Before the peaks restart from the values now (`Board::reset_peaks`, which the caller
+    /// runs under the allocator's lock): this thread commits everything, so that with one
+    /// thread at a time the peaks stay exact. (Not under that lock: a thread whose locals are
+    /// gone holds `retired_lock` with it.)
+    pub(super) fn commit_for_reset(&self, id: AllocatorId) {
         let board = &self.board;
         // A deferred free stays deferred (a user pool's block could only be settled by filing
         // it, under a lock the caller does not hold here): the sums leave it out, and the new
         // peaks are marked for a check when it is taken back (`Board::reset_peaks`).
         self.with_mine(id, |o| o.stats().commit_all(board));
-        {
-            let _r = lock(&self.retired_lock);
-            board.retired.commit_all(board);
-        }
-        board.reset_peaks();
+        let _r = lock(&self.retired_lock);
+        board.retired.commit_all(board);
     }
 
     /// The allocator is going: every cache is drained and let go (threads drop their entries
