@@ -163,17 +163,8 @@ impl Shared {
     /// raised `drainers` before its fence). A flag of another fork generation is a parent's
     /// thread's, which does not exist in this process.
     fn wait_idle(&self) {
-        let mut spins = 0u32;
         let gen = super::asym::generation();
-        while self.busy.load(Ordering::Acquire) == gen {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else {
-                // The owner was switched out inside its few instructions: let it run.
-                std::thread::yield_now();
-            }
-        }
+        super::asym::wait_while(|| self.busy.load(Ordering::Acquire) == gen);
     }
 
     /// Whether no slot holds a block (exact once its owner has exited).
