@@ -394,18 +394,14 @@ impl DeviceAllocator {
         let mut retired = None;
         // SAFETY: this thread's counters, which its cache keeps alive while this allocator is
         // (we are in one of its calls).
-        let own = mine.map(|(to, _)| unsafe { to.as_ref() });
-        match mine {
-            // SAFETY: this thread's counters, which its cache keeps alive while this allocator
-            // is (we are in one of its calls), written by this thread only; cleared when the
-            // `Locked` is dropped, before the state lock is let go.
-            Some((to, slack)) => {
-                // SAFETY: as above.
-                let to = std::ptr::NonNull::from(&**unsafe { to.as_ref() });
-                // SAFETY: as above; read by this thread, its only writer.
-                let elided = unsafe { to.as_ref() }.take_pool_elided();
-                // SAFETY: as above.
-                unsafe { g.sink.point(to, slack) };
+        let own = mine.map(|(to, slack)| (unsafe { to.as_ref() }, slack));
+        match own {
+            Some((stats, slack)) => {
+                // Read by this thread, their only writer.
+                let elided = stats.take_pool_elided();
+                // SAFETY: this thread's counters (above), written by this thread only; the
+                // sink is cleared when the `Locked` is dropped, before the state lock is let go.
+                unsafe { g.sink.point(std::ptr::NonNull::from(&**stats), slack) };
                 // This thread's elided allocations of a user pool join the pool's totals here,
                 // under the lock that readers of pool statistics take.
                 if let Some(e) = elided {
@@ -425,10 +421,10 @@ impl DeviceAllocator {
         let mut st = Locked { guard: std::mem::ManuallyDrop::new(g), retired, owner: self };
         // A user pool's block this thread held as a deferred free, settled, and the large
         // bin's block: filed (and counted) under this lock.
-        if let Some(own) = own {
+        if let Some((stats, _)) = own {
             for w in held {
                 if w != 0 {
-                    st.free_cached(tcache::unpack(w, own));
+                    st.free_cached(tcache::unpack(w, stats));
                 }
             }
         }
