@@ -62,7 +62,10 @@ fn a_realtime_revoker_lets_the_preempted_biased_holder_finish() {
             pin_to_cpu0();
             let p = libc::sched_param { sched_priority: 1 };
             // SAFETY: sets this thread's policy.
-            assert_eq!(unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) }, 0);
+            if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) } != 0 {
+                // Root without CAP_SYS_NICE (a container): nothing to show here.
+                return None;
+            }
             let mut worst = Duration::ZERO;
             let t0 = Instant::now();
             while t0.elapsed() < Duration::from_secs(3) && worst < Duration::from_millis(200) {
@@ -71,12 +74,16 @@ fn a_realtime_revoker_lets_the_preempted_biased_holder_finish() {
                 drop(a.alloc::<u8>(1024).unwrap());
                 worst = worst.max(t.elapsed());
             }
-            worst
+            Some(worst)
         })
     };
     let worst = revoker.join().unwrap();
     stop.store(true, Ordering::Relaxed);
     holder.join().unwrap();
+    let Some(worst) = worst else {
+        eprintln!("skipped: SCHED_FIFO refused (no CAP_SYS_NICE)");
+        return;
+    };
     assert!(
         worst < Duration::from_millis(200),
         "one lock took {worst:?}: the revoker spun while the holder could not run"
