@@ -733,6 +733,17 @@ impl ThreadStats {
         self.change(board, INACTIVE_SPLIT_BYTES, small, b, slack);
     }
 
+    /// A step's net change of the inactive-split counts (nothing when it is none).
+    #[inline(always)]
+    pub(crate) fn on_inactive_delta(&self, board: &Board, slack: i64, small: bool, n: i64, bytes: i64) {
+        if n != 0 {
+            self.change(board, INACTIVE_SPLIT, small, n, slack);
+        }
+        if bytes != 0 {
+            self.change(board, INACTIVE_SPLIT_BYTES, small, bytes, slack);
+        }
+    }
+
     /// Commits every entry (by its only writer).
     pub(crate) fn commit_all(&self, board: &Board) {
         for e in 0..M {

@@ -580,7 +580,8 @@ impl State {
         let blk = self.block(b);
         if blk.state == BlockState::Free && blk.is_split() {
             let (small, size) = (blk.small, blk.size);
-            self.sink.on_inactive_split(small, size, add);
+            let (n, bytes) = (1, size as i64);
+            self.sink.on_inactive_delta(small, if add { (n, bytes) } else { (-n, -bytes) });
         }
     }
 
@@ -588,9 +589,11 @@ impl State {
     /// say so, and counts it.
     #[inline]
     pub(super) fn take_block(&mut self, block: BlockIdx, rounded: usize, requested: usize) -> (BlockIdx, u64) {
-        self.count_inactive(block, false);
         let b = self.block(block);
         let (small, pool) = (b.small, b.pool);
+        // The inactive-split change of the whole step, counted once (as PyTorch counts a
+        // step's net change): the block leaves, its rest (if split off) enters.
+        let mut inactive = if b.is_split() { (-1, -(b.size as i64)) } else { (0, 0) };
         // In expandable memory a large block splits as a small one does (PyTorch's rule there
         // too): a big free block costs no segment of its own, so its rest is worth keeping.
         let split = if small || !self.pools[pool.get()].spec.expandable {
@@ -599,9 +602,10 @@ impl State {
             should_split(b.size, rounded, true, self.config.max_split_size)
         };
         if !self.no_split(pool) && split {
+            let rest_size = b.size - rounded;
             let rest = Block {
                 addr: b.addr + rounded as u64,
-                size: b.size - rounded,
+                size: rest_size,
                 requested: 0,
                 seg: b.seg,
                 prev: Some(block),
@@ -624,8 +628,10 @@ impl State {
             b.next = Some(r);
             b.size = rounded;
             self.insert_free(r);
-            self.count_inactive(r, true);
+            inactive.0 += 1;
+            inactive.1 += rest_size as i64;
         }
+        self.sink.on_inactive_delta(small, inactive);
         let b = self.block_mut(block);
         b.state = BlockState::Allocated;
         b.requested = requested;
@@ -747,7 +753,7 @@ impl State {
         let b = self.block(block);
         let (small, size) = (b.small, b.size);
         self.sink.on_free_completed(small, size);
-        self.file_free(block);
+        self.file_free(block, (0, 0));
     }
 
     /// A block a thread cache held goes back to its free set: its owner's free and its
@@ -781,39 +787,53 @@ impl State {
             self.sink.commit_kind(small);
         } else if c.split {
             // It is filed below as any freed block, which counts the merged block as
-            // inactive-split afresh; its own count from the cache goes first (as it was counted
-            // then: an expandable segment may have grown or been cut around it since).
-            self.sink.on_inactive_split(small, size, false);
+            // inactive-split afresh; its own count from the cache goes (as it was counted
+            // then: an expandable segment may have grown or been cut around it since), in
+            // the filing's one change.
+            self.file_free(block, (-1, -(size as i64)));
+            return;
         }
-        self.file_free(block);
+        self.file_free(block, (0, 0));
     }
 
     /// Marks a block free, merges it with free neighbours and files it in its set.
     #[inline]
-    fn file_free(&mut self, block: BlockIdx) {
+    /// `inactive`: an inactive-split change of the caller's, counted with the filing's (one
+    /// change per step, as PyTorch's `free_block` counts its net change).
+    fn file_free(&mut self, block: BlockIdx, mut inactive: (i64, i64)) {
         let b = self.block_mut(block);
-        let pool = b.pool;
+        let (pool, small) = (b.pool, b.small);
         b.state = BlockState::Free;
         b.requested = 0;
         b.pending = 0;
         let mut cur = block;
+        // A free neighbour is of a split segment (it has a neighbour): it leaves the counts.
         if let Some(prev) = self.block(cur).prev {
-            if self.block(prev).state == BlockState::Free {
-                self.count_inactive(prev, false);
+            let p = self.block(prev);
+            if p.state == BlockState::Free {
+                inactive.0 -= 1;
+                inactive.1 -= p.size as i64;
                 self.remove_free(prev);
                 self.merge_next_into(prev);
                 cur = prev;
             }
         }
         if let Some(next) = self.block(cur).next {
-            if self.block(next).state == BlockState::Free {
-                self.count_inactive(next, false);
+            let n = self.block(next);
+            if n.state == BlockState::Free {
+                inactive.0 -= 1;
+                inactive.1 -= n.size as i64;
                 self.remove_free(next);
                 self.merge_next_into(cur);
             }
         }
         self.insert_free(cur);
-        self.count_inactive(cur, true);
+        let b = self.block(cur);
+        if b.is_split() {
+            inactive.0 += 1;
+            inactive.1 += b.size as i64;
+        }
+        self.sink.on_inactive_delta(small, inactive);
         let b = self.block(cur);
         if !b.is_split() {
             let seg = b.seg;

@@ -834,9 +834,10 @@ impl Sink {
         self.with(|t, b, _| t.commit_kind(b, small));
     }
 
+    /// One step's net inactive-split change (count, bytes).
     #[inline(always)]
-    pub(super) fn on_inactive_split(&self, small: bool, size: usize, add: bool) {
-        self.with(|t, b, s| t.on_inactive_split(b, s, small, size, add));
+    pub(super) fn on_inactive_delta(&self, small: bool, (n, bytes): (i64, i64)) {
+        self.with(|t, b, s| t.on_inactive_delta(b, s, small, n, bytes));
     }
 }
 
