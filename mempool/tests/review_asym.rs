@@ -316,6 +316,70 @@ fn finding_fork_child_drain_hangs_on_a_stale_busy_flag() {
     );
 }
 
+/// Found on the GPU machine (the test above hung its first child there, and one run in five
+/// here): the mode was decided under a `std::sync::Once`, and registering with `membarrier`
+/// can take tens of milliseconds; a `fork` while another thread was deciding left the
+/// child's `Once` running for ever, so the child's first allocator call (making its thread
+/// cache) waited for ever. Here a fresh process forks over and over while its worker makes the
+/// first thread cache (of allocator `a`); every child calls `memory_stats` and allocates under
+/// an alarm, on another allocator (`b`: the worker holds none of its locks, as a fork while a
+/// thread holds a lock leaves the child that lock held, a `Mutex`'s as ours). Now a child that
+/// finds the decision begun by another process makes it itself.
+#[test]
+fn a_fork_while_another_thread_decides_the_mode_leaves_the_child_working() {
+    const NAME: &str = "a_fork_while_another_thread_decides_the_mode_leaves_the_child_working";
+    if is_child(NAME) {
+        let (_sim, a) = setup(1 << 30);
+        let (_sim_b, b) = setup(1 << 30);
+        let (started, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (a2, s2, d2) = (a.clone(), started.clone(), done.clone());
+        let w = std::thread::spawn(move || {
+            s2.store(true, Ordering::SeqCst);
+            // This thread's first call: its cache is made, and the mode decided.
+            drop(a2.alloc::<u8>(4096).unwrap());
+            d2.store(true, Ordering::SeqCst);
+        });
+        while !started.load(Ordering::SeqCst) {
+            std::hint::spin_loop();
+        }
+        let (mut hung, mut forks) = (0u32, 0u32);
+        while !done.load(Ordering::SeqCst) && forks < 200 {
+            // SAFETY: the child calls only the allocator and async-signal-safe `alarm`/`_exit`.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: alarm and _exit in the child.
+                unsafe { libc::alarm(5) };
+                std::hint::black_box(b.memory_stats());
+                drop(b.alloc::<u8>(512).unwrap());
+                // SAFETY: as above.
+                unsafe { libc::_exit(0) };
+            }
+            assert!(pid > 0);
+            forks += 1;
+            let mut st = 0;
+            // SAFETY: waits for our child.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+            if !libc::WIFEXITED(st) || libc::WEXITSTATUS(st) != 0 {
+                hung += 1;
+            }
+        }
+        w.join().unwrap();
+        println!("CHILD-RESULT hung={hung} forks={forks}");
+        return;
+    }
+    let (mut hung, mut forks) = (0, 0);
+    for _ in 0..4 {
+        let (code, _, out) = run_child(NAME, false, Duration::from_secs(120));
+        assert_eq!(code, Some(0), "{out}");
+        let l = result_line(&out).unwrap_or_else(|| panic!("no result:\n{out}"));
+        let f = |k: &str| l.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u32>().unwrap();
+        hung += f("hung=");
+        forks += f("forks=");
+    }
+    eprintln!("{hung} of {forks} children forked while the mode was being decided hung or failed");
+    assert_eq!(hung, 0, "{hung} of {forks} children forked while the mode was being decided hung or failed");
+}
+
 // ------------------------------------------------------------------------------------------
 // F3. Cost: every drain makes a `membarrier` (an IPI to every CPU running a thread of the
 // process, a kernel-wide serialised path), even where no other live thread's slot is touched:

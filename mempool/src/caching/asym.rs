@@ -66,15 +66,51 @@ pub(super) fn generation() -> u64 {
     GEN.load(Ordering::Relaxed)
 }
 
+/// Where the decision stands: not made (0), made ([`DECIDED`]), or being made by a thread of
+/// the process whose id this is. Not a `std::sync::Once`: a `fork` while another thread was
+/// deciding (registering with `membarrier` can take milliseconds) left the child's `Once`
+/// running for ever, and the child's first thread cache waited on it for ever; a child that
+/// finds another process's id here makes the decision itself.
+static DECISION: AtomicU64 = AtomicU64::new(0);
+const DECIDED: u64 = u64::MAX;
+
 /// Decides the mode, once per process, before any cache is made (`Registry::make` calls it):
 /// every take and every drain afterwards reads the same answer.
+#[inline]
 pub(super) fn init() {
-    static DONE: std::sync::Once = std::sync::Once::new();
-    DONE.call_once(|| {
-        let on = register();
-        REGISTERED.store(on, Ordering::Release);
-        FAST.store(on, Ordering::Release);
-    });
+    if DECISION.load(Ordering::Acquire) != DECIDED {
+        decide();
+    }
+}
+
+#[cold]
+fn decide() {
+    let me = u64::from(std::process::id());
+    let mut seen = DECISION.load(Ordering::Acquire);
+    loop {
+        match seen {
+            DECIDED => return,
+            // Not begun, or begun by a process that is not this one (this is a fork child,
+            // and the deciding thread stayed in the parent): this thread decides.
+            s if s != me => match DECISION.compare_exchange(s, me, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    let on = register();
+                    REGISTERED.store(on, Ordering::Release);
+                    FAST.store(on, Ordering::Release);
+                    DECISION.store(DECIDED, Ordering::Release);
+                    return;
+                }
+                Err(now) => seen = now,
+            },
+            // Another thread of this process is deciding: waited for as a `busy` flag is
+            // (it sleeps soon: a real-time waiter that only yielded would keep a deciding
+            // thread of lower priority off its processor).
+            _ => {
+                wait_while(|| DECISION.load(Ordering::Acquire) == me);
+                seen = DECISION.load(Ordering::Acquire);
+            }
+        }
+    }
 }
 
 /// The drainer's fence, once it has raised the `drainers` count of every cache it will take
