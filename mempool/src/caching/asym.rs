@@ -37,17 +37,20 @@
 //! `tests/review_asym.rs` run owners and drainers against each other in both modes, across
 //! `fork` and a seccomp filter, and fail when the owner's check is removed.)
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 /// The wait of drains after a refused `membarrier` (see the module).
 pub(super) const GRACE: Duration = Duration::from_millis(20);
 
-/// The mode was on at the start (owners may have taken with plain accesses since).
-static REGISTERED: AtomicBool = AtomicBool::new(false);
-/// Whether owners take with plain accesses now: decided once per process (by [`init`]), and
-/// turned off for good if `membarrier` is ever refused.
-static FAST: AtomicBool = AtomicBool::new(false);
+/// The mode, one word: not decided yet, decided off (no `membarrier`), on (owners take with
+/// plain accesses), or on at the start and turned off for good after a refusal. One word, so a
+/// thread that reads the decision reads the mode it names.
+static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
+const UNDECIDED: u8 = 0;
+const OFF: u8 = 1;
+const ON: u8 = 2;
+const REFUSED: u8 = 3;
 /// When the mode was turned off after a refusal.
 static OFF_SINCE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
 /// This process's fork generation (1 in the first process; one more in each child).
@@ -57,7 +60,7 @@ static GEN: AtomicU64 = AtomicU64::new(1);
 /// writes).
 #[inline(always)]
 pub(super) fn fast() -> bool {
-    FAST.load(Ordering::Relaxed)
+    MODE.load(Ordering::Relaxed) == ON
 }
 
 /// The fork generation an owner writes into `busy` (never 0).
@@ -66,65 +69,39 @@ pub(super) fn generation() -> u64 {
     GEN.load(Ordering::Relaxed)
 }
 
-/// Where the decision stands: not made (0), made ([`DECIDED`]), or being made by a thread of
-/// the process whose id this is. Not a `std::sync::Once`: a `fork` while another thread was
-/// deciding (registering with `membarrier` can take milliseconds) left the child's `Once`
-/// running for ever, and the child's first thread cache waited on it for ever; a child that
-/// finds another process's id here makes the decision itself.
-static DECISION: AtomicU64 = AtomicU64::new(0);
-const DECIDED: u64 = u64::MAX;
-
 /// Decides the mode, once per process, before any cache is made (`Registry::make` calls it):
-/// every take and every drain afterwards reads the same answer.
+/// every take and every drain afterwards reads the same answer. No thread waits for another
+/// to decide: each undecided one registers itself (idempotent) and the first answer published
+/// stands. (A `std::sync::Once` here hung fork children: registering with `membarrier` can take
+/// tens of milliseconds, and a fork meanwhile left the child's `Once` running for ever; a
+/// decision marked with the deciding process's id hung a descendant that had that id again, in
+/// another pid namespace or after the id was reused.)
 #[inline]
 pub(super) fn init() {
-    if DECISION.load(Ordering::Acquire) != DECIDED {
+    if MODE.load(Ordering::Acquire) == UNDECIDED {
         decide();
     }
 }
 
 #[cold]
 fn decide() {
-    let me = u64::from(std::process::id());
-    let mut seen = DECISION.load(Ordering::Acquire);
-    loop {
-        match seen {
-            DECIDED => return,
-            // Not begun, or begun by a process that is not this one (this is a fork child,
-            // and the deciding thread stayed in the parent): this thread decides.
-            s if s != me => match DECISION.compare_exchange(s, me, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => {
-                    let on = register();
-                    REGISTERED.store(on, Ordering::Release);
-                    FAST.store(on, Ordering::Release);
-                    DECISION.store(DECIDED, Ordering::Release);
-                    return;
-                }
-                Err(now) => seen = now,
-            },
-            // Another thread of this process is deciding: waited for as a `busy` flag is
-            // (it sleeps soon: a real-time waiter that only yielded would keep a deciding
-            // thread of lower priority off its processor).
-            _ => {
-                wait_while(|| DECISION.load(Ordering::Acquire) == me);
-                seen = DECISION.load(Ordering::Acquire);
-            }
-        }
-    }
+    let on = register();
+    let _ = MODE.compare_exchange(UNDECIDED, if on { ON } else { OFF }, Ordering::AcqRel, Ordering::Acquire);
 }
 
 /// The drainer's fence, once it has raised the `drainers` count of every cache it will take
 /// from: `membarrier` while the mode is on; after a refusal (this one or an earlier one), the
 /// mode is off and the drain waits until [`GRACE`] has passed since it went off.
 pub(super) fn fence() {
-    if !REGISTERED.load(Ordering::Acquire) {
+    let mode = MODE.load(Ordering::Acquire);
+    if mode == UNDECIDED || mode == OFF {
         return;
     }
-    if FAST.load(Ordering::Acquire) && heavy() {
+    if mode == ON && heavy() {
         return;
     }
     let since = *OFF_SINCE.get_or_init(Instant::now);
-    if FAST.swap(false, Ordering::AcqRel) {
+    if MODE.compare_exchange(ON, REFUSED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
         // Never a panic here (`eprintln!` panics on a closed pipe): a revoker of the state
         // lock's bias (`bias.rs`) runs this between clearing the bias and waiting for its
         // holder, and must not unwind out of that.

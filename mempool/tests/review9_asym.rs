@@ -1,0 +1,324 @@
+//! Hostile review of 4e6b1b7 (asym: the mode's decision keyed by the deciding process's pid).
+//! It found that a descendant with the deciding process's pid (pid 1 of a new pid namespace,
+//! or a reused pid) waited for ever for a decider it did not have; now no thread waits for
+//! another to decide (each undecided thread registers, the first answer published stands).
+//!
+//! Each test runs its body in a fresh process (this binary re-run with `--exact NAME`,
+//! `REVIEW9_CHILD` set), so the process-wide decision is still to be made there.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use mempool::sim::SimDevice;
+use mempool::{Allocator, Sim};
+
+fn setup(capacity: usize) -> (Arc<SimDevice>, Allocator<Sim>) {
+    let sim = SimDevice::new(capacity);
+    (sim.clone(), Allocator::sim(sim))
+}
+
+fn is_child(name: &str) -> bool {
+    std::env::var("REVIEW9_CHILD").is_ok_and(|v| v == name)
+}
+
+/// Runs test `name` in a fresh process; `wrap`: a command line put in front (`unshare ...`).
+fn run_child(name: &str, wrap: &[&str], timeout: Duration) -> (Option<i32>, String) {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = if wrap.is_empty() {
+        std::process::Command::new(&exe)
+    } else {
+        let mut c = std::process::Command::new(wrap[0]);
+        c.args(&wrap[1..]).arg(&exe);
+        c
+    };
+    cmd.args(["--exact", name, "--test-threads=1", "--nocapture", "--include-ignored"])
+        .env("REVIEW9_CHILD", name)
+        .env_remove("MEMPOOL_NO_MEMBARRIER");
+    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > timeout {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
+    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.code(), text)
+}
+
+fn result(out: &str, key: &str) -> u32 {
+    let l = out
+        .lines()
+        .find_map(|l| l.find("CHILD-RESULT").map(|i| &l[i..]))
+        .unwrap_or_else(|| panic!("no result:\n{out}"));
+    l.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap().parse().unwrap()
+}
+
+fn unshare_available() -> bool {
+    std::process::Command::new("unshare").args(["-Urp", "--fork", "true"]).status().is_ok_and(|s| s.success())
+}
+
+/// The body shared by the two pid-namespace tests: this process (pid 1 of a fresh pid
+/// namespace, under `unshare -Urp --fork`) forks over and over while its worker thread makes the
+/// first thread cache (the mode's decision: DECISION = 1, this process's pid). Each child makes
+/// a grandchild, in a new pid namespace (`new_ns`, so the grandchild's pid is 1 again) or not,
+/// and the grandchild makes its first thread cache under an alarm.
+fn fork_chain_body(new_ns: bool) {
+    // SAFETY: getpid.
+    assert_eq!(unsafe { libc::getpid() }, 1, "run under unshare -Urp --fork");
+    let (_sa, a) = setup(1 << 30);
+    let (_sb, b) = setup(1 << 30);
+    let (started, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+    let (a2, s2, d2) = (a.clone(), started.clone(), done.clone());
+    let w = std::thread::spawn(move || {
+        s2.store(true, Ordering::SeqCst);
+        drop(a2.alloc::<u8>(4096).unwrap());
+        d2.store(true, Ordering::SeqCst);
+    });
+    while !started.load(Ordering::SeqCst) {
+        std::hint::spin_loop();
+    }
+    let (mut hung, mut forks) = (0u32, 0u32);
+    while !done.load(Ordering::SeqCst) && forks < 100 {
+        // SAFETY: the child calls only async-signal-safe functions before its own fork; the
+        // grandchild calls the allocator (as review_asym's fork test does) under an alarm.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: the forked child: unshare, fork, alarm-free waits, kill and _exit only
+            // (async-signal-safe), and the grandchild's allocator calls as review_asym's.
+            unsafe {
+                if new_ns && libc::unshare(libc::CLONE_NEWPID) != 0 {
+                    libc::_exit(3);
+                }
+                let g = libc::fork();
+                if g == 0 {
+                    libc::alarm(3);
+                    std::hint::black_box(b.memory_stats());
+                    drop(b.alloc::<u8>(512).unwrap());
+                    libc::_exit(0);
+                }
+                // Not `alarm` in the grandchild: pid 1 of a namespace ignores signals it has
+                // no handler for (SIGALRM included); SIGKILL from here reaches it.
+                let mut st = 0;
+                let mut waited = 0;
+                while libc::waitpid(g, &mut st, libc::WNOHANG) == 0 {
+                    if waited >= 3000 {
+                        libc::kill(g, libc::SIGKILL);
+                        libc::waitpid(g, &mut st, 0);
+                        libc::_exit(2);
+                    }
+                    libc::usleep(1000);
+                    waited += 1;
+                }
+                libc::_exit(if libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0 { 0 } else { 1 });
+            }
+        }
+        assert!(pid > 0);
+        forks += 1;
+        let mut st = 0;
+        // SAFETY: waits for our child.
+        unsafe { libc::waitpid(pid, &mut st, 0) };
+        assert!(!(libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 3), "unshare(CLONE_NEWPID) refused");
+        if !libc::WIFEXITED(st) || libc::WEXITSTATUS(st) != 0 {
+            hung += 1;
+        }
+    }
+    w.join().unwrap();
+    println!("CHILD-RESULT hung={hung} forks={forks}");
+}
+
+fn run_chain(name: &str, rounds: usize) -> (u32, u32) {
+    let (mut hung, mut forks) = (0, 0);
+    for _ in 0..rounds {
+        let (code, out) = run_child(name, &["unshare", "-Urp", "--fork"], Duration::from_secs(300));
+        assert_eq!(code, Some(0), "{out}");
+        hung += result(&out, "hung=");
+        forks += result(&out, "forks=");
+    }
+    (hung, forks)
+}
+
+/// Found by review (fixed: the test asserts no grandchild hangs): DECISION held a pid, and a pid names a process only within one pid namespace and
+/// only while that process lives. A grandchild whose pid (in its own namespace) equals the
+/// pid of the process that was deciding when its ancestor forked finds "its own" pid in
+/// DECISION and waits in `wait_while` for a thread that does not exist: its first thread cache
+/// hangs for ever. Here: the deciding process is pid 1 (a container's init, as under Docker);
+/// a child forked during the decision makes a grandchild in a new pid namespace (a sandbox),
+/// which is pid 1 again. (The same happens with pid reuse after wrap-around: process P
+/// deciding forks C; P exits; C's later descendant gets P's old pid.)
+#[test]
+fn finding_a_descendant_with_the_deciders_pid_hangs() {
+    const NAME: &str = "finding_a_descendant_with_the_deciders_pid_hangs";
+    if is_child(NAME) {
+        fork_chain_body(true);
+        return;
+    }
+    if !unshare_available() {
+        eprintln!("skipped: no unshare -Urp");
+        return;
+    }
+    let (hung, forks) = run_chain(NAME, 3);
+    eprintln!("new pid namespace: {hung} of {forks} grandchildren hung");
+    assert_eq!(
+        hung, 0,
+        "{hung} of {forks} grandchildren (pid 1 of a new pid namespace) hung in their first allocator call"
+    );
+}
+
+/// Control for the finding above: the same chain without the new namespace (grandchildren
+/// with pids of their own) never hangs.
+#[test]
+fn held_a_descendant_with_its_own_pid_takes_the_decision_over() {
+    const NAME: &str = "held_a_descendant_with_its_own_pid_takes_the_decision_over";
+    if is_child(NAME) {
+        fork_chain_body(false);
+        return;
+    }
+    if !unshare_available() {
+        eprintln!("skipped: no unshare -Urp");
+        return;
+    }
+    let (hung, forks) = run_chain(NAME, 6);
+    eprintln!("same pid namespace: {hung} of {forks} grandchildren hung");
+    assert_eq!(hung, 0);
+}
+
+/// Held: a fork child that takes the decision over while it forks a grandchild of its own
+/// (the child's worker deciding, the child forking in a loop), and many threads of one
+/// process racing to decide while the main thread forks: no hang, nobody fails.
+#[test]
+fn held_forks_in_every_window_and_racing_threads() {
+    const NAME: &str = "held_forks_in_every_window_and_racing_threads";
+    if is_child(NAME) {
+        let (_sa, a) = setup(1 << 30);
+        let (_sb, b) = setup(1 << 30);
+        let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let barrier = Arc::new(std::sync::Barrier::new(9));
+        let ws: Vec<_> = (0..8)
+            .map(|_| {
+                let (a, done, barrier) = (a.clone(), done.clone(), barrier.clone());
+                std::thread::spawn(move || {
+                    barrier.wait();
+                    drop(a.alloc::<u8>(4096).unwrap());
+                    done.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+            .collect();
+        barrier.wait();
+        let (mut hung, mut forks) = (0u32, 0u32);
+        while done.load(Ordering::SeqCst) < 8 && forks < 300 {
+            // SAFETY: the child uses the allocator and threads under an alarm, as above.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                // SAFETY: alarm in the child.
+                unsafe { libc::alarm(5) };
+                // The child decides on a worker thread while it forks grandchildren.
+                let b2 = b.clone();
+                let w = std::thread::spawn(move || drop(b2.alloc::<u8>(512).unwrap()));
+                let mut bad = 0;
+                for _ in 0..3 {
+                    // SAFETY: the grandchild calls the allocator under an alarm, as above.
+                    let g = unsafe { libc::fork() };
+                    if g == 0 {
+                        // SAFETY: alarm and _exit in the grandchild.
+                        unsafe { libc::alarm(3) };
+                        drop(b.alloc::<u8>(512).unwrap());
+                        // SAFETY: as above.
+                        unsafe { libc::_exit(0) };
+                    }
+                    let mut st = 0;
+                    // SAFETY: waits for our child.
+                    unsafe { libc::waitpid(g, &mut st, 0) };
+                    if !libc::WIFEXITED(st) || libc::WEXITSTATUS(st) != 0 {
+                        bad += 1;
+                    }
+                }
+                w.join().unwrap();
+                drop(b.alloc::<u8>(512).unwrap());
+                // SAFETY: _exit in the child.
+                unsafe { libc::_exit(bad) };
+            }
+            forks += 1;
+            let mut st = 0;
+            // SAFETY: waits for our child.
+            unsafe { libc::waitpid(pid, &mut st, 0) };
+            if !libc::WIFEXITED(st) || libc::WEXITSTATUS(st) != 0 {
+                hung += 1;
+            }
+        }
+        for w in ws {
+            w.join().unwrap();
+        }
+        println!("CHILD-RESULT hung={hung} forks={forks}");
+        return;
+    }
+    let (mut hung, mut forks) = (0, 0);
+    for _ in 0..4 {
+        let (code, out) = run_child(NAME, &[], Duration::from_secs(300));
+        assert_eq!(code, Some(0), "{out}");
+        hung += result(&out, "hung=");
+        forks += result(&out, "forks=");
+    }
+    eprintln!("{hung} of {forks} children failed");
+    assert_eq!(hung, 0);
+}
+
+/// Held: a SCHED_FIFO thread pinned to the deciding thread's processor, deciding while a
+/// normal thread it preempted decides too, is never held up by it (nobody waits now; with
+/// the waiting version, `wait_while` slept).
+#[test]
+fn held_a_realtime_waiter_lets_the_decider_finish() {
+    const NAME: &str = "held_a_realtime_waiter_lets_the_decider_finish";
+    if is_child(NAME) {
+        fn pin0() {
+            // SAFETY: plain libc calls on a zeroed cpu_set_t for the calling thread.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(0, &mut set);
+                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+        }
+        let (_sa, a) = setup(1 << 30);
+        let a2 = a.clone();
+        let go = Arc::new(AtomicBool::new(false));
+        let go2 = go.clone();
+        let rt = std::thread::spawn(move || {
+            pin0();
+            let p = libc::sched_param { sched_priority: 10 };
+            // SAFETY: sets this thread's policy.
+            if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) } != 0 {
+                return None;
+            }
+            while !go2.load(Ordering::Acquire) {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+            // Wake while the decider (same processor) is registering.
+            std::thread::sleep(Duration::from_micros(20));
+            let t = Instant::now();
+            drop(a2.alloc::<u8>(512).unwrap());
+            Some(t.elapsed())
+        });
+        pin0();
+        go.store(true, Ordering::Release);
+        drop(a.alloc::<u8>(512).unwrap());
+        let t = rt.join().unwrap();
+        println!("CHILD-RESULT ms={} skipped={}", t.map_or(0, |t| t.as_millis() as u32), t.is_none() as u32);
+        return;
+    }
+    let mut worst = 0;
+    for _ in 0..20 {
+        let (code, out) = run_child(NAME, &[], Duration::from_secs(30));
+        assert_eq!(code, Some(0), "hang or failure: {out}");
+        if result(&out, "skipped=") == 1 {
+            eprintln!("skipped: SCHED_FIFO refused");
+            return;
+        }
+        worst = worst.max(result(&out, "ms="));
+    }
+    eprintln!("worst real-time wait: {worst} ms");
+    assert!(worst < 1000);
+}
