@@ -245,15 +245,28 @@ fn finding_fork_child_drain_hangs_on_a_stale_busy_flag() {
     if is_child(NAME) {
         let (_sim, a) = setup(1 << 30);
         let stop = Arc::new(AtomicBool::new(false));
-        let (a2, stop2) = (a.clone(), stop.clone());
+        let ready = Arc::new(AtomicBool::new(false));
+        let (a2, stop2, ready2) = (a.clone(), stop.clone(), ready.clone());
         let w = std::thread::spawn(move || {
             let mut n = 0u64;
             while !stop2.load(Ordering::Relaxed) {
                 drop(a2.alloc::<u8>(4096).unwrap());
                 n += 1;
+                if n == 16 {
+                    ready2.store(true, Ordering::Release);
+                }
             }
             n
         });
+        // Forks only once the worker's first calls (which make its cache, decide the mode and
+        // a segment, taking locks) are over: on the GPU machine registering with `membarrier`
+        // took longer than the 20 ms this waited for alone, and a fork landing while the worker
+        // held a lock left the child that lock held, as any `Mutex` would.
+        let t = Instant::now();
+        while !ready.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        println!("worker's first 16 pairs: {:?}", t.elapsed());
         std::thread::sleep(Duration::from_millis(20));
         let (mut hung, mut forks) = (0u32, 0u32);
         for _ in 0..2000 {
@@ -301,6 +314,8 @@ fn finding_fork_child_drain_hangs_on_a_stale_busy_flag() {
     };
     let (code, _, out) = run_child(NAME, true, Duration::from_secs(300));
     assert_eq!(code, Some(0), "{out}");
+    let first = |out: &str| out.lines().find(|l| l.contains("first 16 pairs")).map(str::to_owned);
+    eprintln!("swap mode: {:?}", first(&out));
     let (hung_swap, forks_swap) = parse(&out);
     assert_eq!(hung_swap, 0, "swap mode: a child hung ({forks_swap} forks):\n{out}");
     if !fast_mode() {
@@ -309,6 +324,7 @@ fn finding_fork_child_drain_hangs_on_a_stale_busy_flag() {
     let (code, _, out) = run_child(NAME, false, Duration::from_secs(300));
     assert_eq!(code, Some(0), "{out}");
     let (hung, forks) = parse(&out);
+    eprintln!("fast mode: {:?}", first(&out));
     eprintln!("fast mode: {hung} of {forks} forked children hung in memory_stats (swap mode: 0 of {forks_swap})");
     assert_eq!(
         hung, 0,
