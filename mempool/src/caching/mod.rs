@@ -143,7 +143,9 @@ pub(crate) struct Allocation {
     pub(crate) size: usize,
     /// It is in a small segment.
     pub(crate) small: bool,
-    /// Its segment is split (this cannot change while the block is allocated).
+    /// Its segment is split and counts in the inactive-split statistics (not an expandable
+    /// segment's, which PyTorch leaves out), as a thread cache counts it; this cannot change
+    /// while the block is allocated.
     pub(crate) split: bool,
     /// Its pool.
     pub(crate) pool: PoolRef,
@@ -1388,7 +1390,7 @@ impl DeviceAllocator {
         for s in st.segments.iter().filter(|s| s.live && s.pool == slot) {
             for blk in st.blocks_of(s) {
                 match blk.state {
-                    BlockState::Free if blk.is_split() => inactive += blk.size,
+                    BlockState::Free if blk.is_split() && st.counts_inactive(blk) => inactive += blk.size,
                     BlockState::Free => {}
                     _ => active += blk.size,
                 }

@@ -574,11 +574,19 @@ impl State {
         self.sink.gens().bump(set as u32);
     }
 
+    /// Whether `b`'s segment counts in the inactive-split statistics: not an expandable one,
+    /// a mapped range of a reservation (PyTorch leaves them out: their free pages can always
+    /// be given back). A pinned reserve segment of an expandable pool is an ordinary one.
+    #[inline(always)]
+    pub(super) fn counts_inactive(&self, b: &Block) -> bool {
+        self.segments[b.seg.0 as usize].res.is_none()
+    }
+
     /// Counts (`add`) or uncounts a free block in the inactive-split stats.
     #[inline(always)]
     pub(super) fn count_inactive(&mut self, b: BlockIdx, add: bool) {
         let blk = self.block(b);
-        if blk.state == BlockState::Free && blk.is_split() {
+        if blk.state == BlockState::Free && blk.is_split() && self.counts_inactive(blk) {
             let (small, size) = (blk.small, blk.size);
             let (n, bytes) = (1, size as i64);
             self.sink.on_inactive_delta(small, if add { (n, bytes) } else { (-n, -bytes) });
@@ -593,6 +601,7 @@ impl State {
         let (small, pool) = (b.small, b.pool);
         // The inactive-split change of the whole step, counted once (as PyTorch counts a
         // step's net change): the block leaves, its rest (if split off) enters.
+        let counted = self.counts_inactive(b);
         let mut inactive = if b.is_split() { (-1, -(b.size as i64)) } else { (0, 0) };
         // In expandable memory a large block splits as a small one does (PyTorch's rule there
         // too): a big free block costs no segment of its own, so its rest is worth keeping.
@@ -631,7 +640,9 @@ impl State {
             inactive.0 += 1;
             inactive.1 += rest_size as i64;
         }
-        self.sink.on_inactive_delta(small, inactive);
+        if counted {
+            self.sink.on_inactive_delta(small, inactive);
+        }
         let b = self.block_mut(block);
         b.state = BlockState::Allocated;
         b.requested = requested;
@@ -671,7 +682,8 @@ impl State {
             addr: b.addr,
             size: b.size,
             small: b.small,
-            split: b.is_split(),
+            // As counted in the inactive-split statistics (never for expandable segments).
+            split: b.is_split() && self.counts_inactive(b),
             pool: PoolRef { id: p.spec.id, slot: b.pool.0 },
             // Large blocks too: the cache keeps one, reused only while its free set is as it
             // was (so exactly where best fit would put it again), and filed back at this
@@ -833,7 +845,9 @@ impl State {
             inactive.0 += 1;
             inactive.1 += b.size as i64;
         }
-        self.sink.on_inactive_delta(small, inactive);
+        if self.counts_inactive(b) {
+            self.sink.on_inactive_delta(small, inactive);
+        }
         let b = self.block(cur);
         if !b.is_split() {
             let seg = b.seg;
