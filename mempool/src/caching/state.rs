@@ -799,9 +799,8 @@ impl State {
             self.sink.commit_kind(small);
         } else if c.split {
             // It is filed below as any freed block, which counts the merged block as
-            // inactive-split afresh; its own count from the cache goes (as it was counted
-            // then: an expandable segment may have grown or been cut around it since), in
-            // the filing's one change.
+            // inactive-split afresh; its own count from the cache goes, as it was counted
+            // then, in the filing's one change.
             self.file_free(block, (-1, -(size as i64)));
             return;
         }
@@ -809,9 +808,9 @@ impl State {
     }
 
     /// Marks a block free, merges it with free neighbours and files it in its set.
-    #[inline]
     /// `inactive`: an inactive-split change of the caller's, counted with the filing's (one
     /// change per step, as PyTorch's `free_block` counts its net change).
+    #[inline]
     fn file_free(&mut self, block: BlockIdx, mut inactive: (i64, i64)) {
         let b = self.block_mut(block);
         let (pool, small) = (b.pool, b.small);
