@@ -6,10 +6,13 @@
 //! Each test runs its body in a fresh process (this binary re-run with `--exact NAME`,
 //! `REVIEW9_CHILD` set), so the process-wide decision is still to be made there.
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::procs::{child_result as result, first_call_on_a_thread, pin_to_cpu0, run_test_child};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Sim};
 
@@ -24,38 +27,10 @@ fn is_child(name: &str) -> bool {
 
 /// Runs test `name` in a fresh process; `wrap`: a command line put in front (`unshare ...`).
 fn run_child(name: &str, wrap: &[&str], timeout: Duration) -> (Option<i32>, String) {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = if wrap.is_empty() {
-        std::process::Command::new(&exe)
-    } else {
-        let mut c = std::process::Command::new(wrap[0]);
-        c.args(&wrap[1..]).arg(&exe);
-        c
-    };
-    cmd.args(["--exact", name, "--test-threads=1", "--nocapture", "--include-ignored"])
-        .env("REVIEW9_CHILD", name)
-        .env_remove("MEMPOOL_NO_MEMBARRIER");
-    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
-    let mut child = cmd.spawn().unwrap();
-    let start = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.code(), text)
-}
-
-fn result(out: &str, key: &str) -> u32 {
-    let l = out
-        .lines()
-        .find_map(|l| l.find("CHILD-RESULT").map(|i| &l[i..]))
-        .unwrap_or_else(|| panic!("no result:\n{out}"));
-    l.split_whitespace().find_map(|w| w.strip_prefix(key)).unwrap().parse().unwrap()
+    let (code, _, out) = run_test_child("REVIEW9_CHILD", name, wrap, timeout, |cmd| {
+        cmd.env_remove("MEMPOOL_NO_MEMBARRIER");
+    });
+    (code, out)
 }
 
 fn unshare_available() -> bool {
@@ -72,16 +47,7 @@ fn fork_chain_body(new_ns: bool) {
     assert_eq!(unsafe { libc::getpid() }, 1, "run under unshare -Urp --fork");
     let (_sa, a) = setup(1 << 30);
     let (_sb, b) = setup(1 << 30);
-    let (started, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-    let (a2, s2, d2) = (a.clone(), started.clone(), done.clone());
-    let w = std::thread::spawn(move || {
-        s2.store(true, Ordering::SeqCst);
-        drop(a2.alloc::<u8>(4096).unwrap());
-        d2.store(true, Ordering::SeqCst);
-    });
-    while !started.load(Ordering::SeqCst) {
-        std::hint::spin_loop();
-    }
+    let (w, done) = first_call_on_a_thread(&a, 4096);
     let (mut hung, mut forks) = (0u32, 0u32);
     while !done.load(Ordering::SeqCst) && forks < 100 {
         // SAFETY: the child calls only async-signal-safe functions before its own fork; the
@@ -131,7 +97,18 @@ fn fork_chain_body(new_ns: bool) {
     println!("CHILD-RESULT hung={hung} forks={forks}");
 }
 
-fn run_chain(name: &str, rounds: usize) -> (u32, u32) {
+/// The two pid-namespace tests' common part: as the child, runs `fork_chain_body(new_ns)`; as
+/// the parent, runs that child `rounds` times (skipped without `unshare -Urp`). The grandchildren
+/// that hung and the forks, for the parent only.
+fn chain_test(name: &str, new_ns: bool, rounds: usize) -> Option<(u32, u32)> {
+    if is_child(name) {
+        fork_chain_body(new_ns);
+        return None;
+    }
+    if !unshare_available() {
+        eprintln!("skipped: no unshare -Urp");
+        return None;
+    }
     let (mut hung, mut forks) = (0, 0);
     for _ in 0..rounds {
         let (code, out) = run_child(name, &["unshare", "-Urp", "--fork"], Duration::from_secs(300));
@@ -139,7 +116,7 @@ fn run_chain(name: &str, rounds: usize) -> (u32, u32) {
         hung += result(&out, "hung=");
         forks += result(&out, "forks=");
     }
-    (hung, forks)
+    Some((hung, forks))
 }
 
 /// Found by review (fixed: the test asserts no grandchild hangs): DECISION held a pid, and a pid names a process only within one pid namespace and
@@ -153,15 +130,7 @@ fn run_chain(name: &str, rounds: usize) -> (u32, u32) {
 #[test]
 fn finding_a_descendant_with_the_deciders_pid_hangs() {
     const NAME: &str = "finding_a_descendant_with_the_deciders_pid_hangs";
-    if is_child(NAME) {
-        fork_chain_body(true);
-        return;
-    }
-    if !unshare_available() {
-        eprintln!("skipped: no unshare -Urp");
-        return;
-    }
-    let (hung, forks) = run_chain(NAME, 3);
+    let Some((hung, forks)) = chain_test(NAME, true, 3) else { return };
     eprintln!("new pid namespace: {hung} of {forks} grandchildren hung");
     assert_eq!(
         hung, 0,
@@ -174,15 +143,7 @@ fn finding_a_descendant_with_the_deciders_pid_hangs() {
 #[test]
 fn held_a_descendant_with_its_own_pid_takes_the_decision_over() {
     const NAME: &str = "held_a_descendant_with_its_own_pid_takes_the_decision_over";
-    if is_child(NAME) {
-        fork_chain_body(false);
-        return;
-    }
-    if !unshare_available() {
-        eprintln!("skipped: no unshare -Urp");
-        return;
-    }
-    let (hung, forks) = run_chain(NAME, 6);
+    let Some((hung, forks)) = chain_test(NAME, false, 6) else { return };
     eprintln!("same pid namespace: {hung} of {forks} grandchildren hung");
     assert_eq!(hung, 0);
 }
@@ -274,20 +235,12 @@ fn held_forks_in_every_window_and_racing_threads() {
 fn held_a_realtime_waiter_lets_the_decider_finish() {
     const NAME: &str = "held_a_realtime_waiter_lets_the_decider_finish";
     if is_child(NAME) {
-        fn pin0() {
-            // SAFETY: plain libc calls on a zeroed cpu_set_t for the calling thread.
-            unsafe {
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                libc::CPU_SET(0, &mut set);
-                libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
-            }
-        }
         let (_sa, a) = setup(1 << 30);
         let a2 = a.clone();
         let go = Arc::new(AtomicBool::new(false));
         let go2 = go.clone();
         let rt = std::thread::spawn(move || {
-            pin0();
+            let _ = pin_to_cpu0();
             let p = libc::sched_param { sched_priority: 10 };
             // SAFETY: sets this thread's policy.
             if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) } != 0 {
@@ -302,7 +255,7 @@ fn held_a_realtime_waiter_lets_the_decider_finish() {
             drop(a2.alloc::<u8>(512).unwrap());
             Some(t.elapsed())
         });
-        pin0();
+        let _ = pin_to_cpu0();
         go.store(true, Ordering::Release);
         drop(a.alloc::<u8>(512).unwrap());
         let t = rt.join().unwrap();

@@ -16,6 +16,7 @@ use std::sync::{mpsc, Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use common::check_invariants;
+use common::procs::{child_result, first_call_on_a_thread, result_line, run_test_child};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, MemPool, PoolOptions, Sim};
 
@@ -58,37 +59,14 @@ fn run_child_with(
     timeout: Duration,
     env: &[(&str, &str)],
 ) -> (Option<i32>, Option<i32>, String) {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = std::process::Command::new(exe);
-    cmd.envs(env.iter().copied());
-    cmd.args(["--exact", name, "--test-threads=1", "--nocapture", "--include-ignored"]).env("REVIEW_ASYM_CHILD", name);
-    if no_mb {
-        cmd.env("MEMPOOL_NO_MEMBARRIER", "1");
-    } else {
-        cmd.env_remove("MEMPOOL_NO_MEMBARRIER");
-    }
-    cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
-    let mut child = cmd.spawn().unwrap();
-    let start = Instant::now();
-    loop {
-        if let Some(_st) = child.try_wait().unwrap() {
-            break;
+    run_test_child("REVIEW_ASYM_CHILD", name, &[], timeout, |cmd| {
+        cmd.envs(env.iter().copied());
+        if no_mb {
+            cmd.env("MEMPOOL_NO_MEMBARRIER", "1");
+        } else {
+            cmd.env_remove("MEMPOOL_NO_MEMBARRIER");
         }
-        if start.elapsed() > timeout {
-            let _ = child.kill();
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().unwrap();
-    use std::os::unix::process::ExitStatusExt;
-    let text = format!("{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    (out.status.code(), out.status.signal(), text)
-}
-
-/// The child's `CHILD-RESULT ...` line (the harness may print its test name before it).
-fn result_line(out: &str) -> Option<&str> {
-    out.lines().find_map(|l| l.find("CHILD-RESULT").map(|i| &l[i..]))
+    })
 }
 
 /// Runs `f` on a thread; fails if it has not returned within `t` (a hang), instead of hanging.
@@ -307,11 +285,7 @@ fn finding_fork_child_drain_hangs_on_a_stale_busy_flag() {
         println!("CHILD-RESULT hung={hung} forks={forks} worker_iters={n}");
         return;
     }
-    let parse = |out: &str| -> (u32, u32) {
-        let l = result_line(out).unwrap_or_else(|| panic!("no result:\n{out}"));
-        let f = |k: &str| l.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u32>().unwrap();
-        (f("hung="), f("forks="))
-    };
+    let parse = |out: &str| (child_result(out, "hung="), child_result(out, "forks="));
     let (code, _, out) = run_child(NAME, true, Duration::from_secs(300));
     assert_eq!(code, Some(0), "{out}");
     let first = |out: &str| out.lines().find(|l| l.contains("first 16 pairs")).map(str::to_owned);
@@ -339,25 +313,16 @@ fn finding_fork_child_drain_hangs_on_a_stale_busy_flag() {
 /// cache) waited for ever. Here a fresh process forks over and over while its worker makes the
 /// first thread cache (of allocator `a`); every child calls `memory_stats` and allocates under
 /// an alarm, on another allocator (`b`: the worker holds none of its locks, as a fork while a
-/// thread holds a lock leaves the child that lock held, a `Mutex`'s as ours). Now a child that
-/// finds the decision begun by another process makes it itself.
+/// thread holds a lock leaves the child that lock held, a `Mutex`'s as ours). Now no thread
+/// waits for another to decide: each undecided one registers, and the first answer stands.
 #[test]
 fn a_fork_while_another_thread_decides_the_mode_leaves_the_child_working() {
     const NAME: &str = "a_fork_while_another_thread_decides_the_mode_leaves_the_child_working";
     if is_child(NAME) {
         let (_sim, a) = setup(1 << 30);
         let (_sim_b, b) = setup(1 << 30);
-        let (started, done) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-        let (a2, s2, d2) = (a.clone(), started.clone(), done.clone());
-        let w = std::thread::spawn(move || {
-            s2.store(true, Ordering::SeqCst);
-            // This thread's first call: its cache is made, and the mode decided.
-            drop(a2.alloc::<u8>(4096).unwrap());
-            d2.store(true, Ordering::SeqCst);
-        });
-        while !started.load(Ordering::SeqCst) {
-            std::hint::spin_loop();
-        }
+        // The worker's first call: its cache is made, and the mode decided.
+        let (w, done) = first_call_on_a_thread(&a, 4096);
         let (mut hung, mut forks) = (0u32, 0u32);
         while !done.load(Ordering::SeqCst) && forks < 200 {
             // SAFETY: the child calls only the allocator and async-signal-safe `alarm`/`_exit`.
@@ -387,10 +352,8 @@ fn a_fork_while_another_thread_decides_the_mode_leaves_the_child_working() {
     for _ in 0..4 {
         let (code, _, out) = run_child(NAME, false, Duration::from_secs(120));
         assert_eq!(code, Some(0), "{out}");
-        let l = result_line(&out).unwrap_or_else(|| panic!("no result:\n{out}"));
-        let f = |k: &str| l.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap().parse::<u32>().unwrap();
-        hung += f("hung=");
-        forks += f("forks=");
+        hung += child_result(&out, "hung=");
+        forks += child_result(&out, "forks=");
     }
     eprintln!("{hung} of {forks} children forked while the mode was being decided hung or failed");
     assert_eq!(hung, 0, "{hung} of {forks} children forked while the mode was being decided hung or failed");

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::procs::pin_to_cpu0;
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Config, Sim};
 
@@ -19,15 +20,6 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 fn no_cache() -> Allocator<Sim> {
     Allocator::sim_with(SimDevice::new(1 << 32), Config::builder().thread_cache(false).build().unwrap())
-}
-
-fn pin_to_cpu0() {
-    // SAFETY: plain libc calls on a zeroed cpu_set_t for the calling thread.
-    unsafe {
-        let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_SET(0, &mut set);
-        assert_eq!(libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set), 0);
-    }
 }
 
 /// Found by review: the revoker spun (64 spins, then `yield_now` for ever) while the biased
@@ -49,7 +41,7 @@ fn a_realtime_revoker_lets_the_preempted_biased_holder_finish() {
     let holder = {
         let (a, stop) = (a.clone(), stop.clone());
         std::thread::spawn(move || {
-            pin_to_cpu0();
+            assert!(pin_to_cpu0());
             // Every alloc and free takes the lock: biased after 512 rounds.
             while !stop.load(Ordering::Relaxed) {
                 drop(a.alloc::<u8>(512).unwrap());
@@ -59,7 +51,7 @@ fn a_realtime_revoker_lets_the_preempted_biased_holder_finish() {
     let revoker = {
         let a = a.clone();
         std::thread::spawn(move || {
-            pin_to_cpu0();
+            assert!(pin_to_cpu0());
             let p = libc::sched_param { sched_priority: 1 };
             // SAFETY: sets this thread's policy.
             if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) } != 0 {

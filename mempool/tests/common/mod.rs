@@ -4,6 +4,7 @@
 pub(crate) mod drains;
 pub(crate) mod model;
 pub(crate) mod mutate;
+pub(crate) mod procs;
 pub(crate) mod ptx;
 pub(crate) mod sock;
 pub(crate) mod watch;
