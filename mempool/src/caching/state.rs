@@ -672,9 +672,10 @@ impl State {
         }
     }
 
-    /// What a caller holds of an allocated block.
+    /// What a caller holds of a block just handed out for a request whose rounded size is
+    /// `rounded` (the configuration's rounding of the bytes asked for).
     #[inline(always)]
-    pub(super) fn allocation(&self, block: BlockIdx) -> super::Allocation {
+    pub(super) fn allocation(&self, block: BlockIdx, rounded: usize) -> super::Allocation {
         let b = self.block(block);
         let p = &self.pools[b.pool.get()];
         super::Allocation {
@@ -693,7 +694,7 @@ impl State {
             // User pools' blocks only while the pool is live, caches its segments, and its
             // memory is not for the host (see `tcache`: they are cached as deferred frees).
             cacheable: b.size < self.config.max_split_size
-                && self.config.round(b.requested) == Some(b.size)
+                && b.size == rounded
                 && (b.pool == Slot::DEFAULT
                     || (!p.released
                         && !p.spec.no_cache
