@@ -729,8 +729,7 @@ impl ThreadStats {
     #[inline(always)]
     pub(crate) fn on_inactive_split(&self, board: &Board, slack: i64, small: bool, size: usize, add: bool) {
         let (n, b) = if add { (1, size as i64) } else { (-1, -(size as i64)) };
-        self.change(board, INACTIVE_SPLIT, small, n, slack);
-        self.change(board, INACTIVE_SPLIT_BYTES, small, b, slack);
+        self.on_inactive_delta(board, slack, small, n, b);
     }
 
     /// A step's net change of the inactive-split counts (nothing when it is none).
