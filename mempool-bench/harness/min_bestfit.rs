@@ -1,19 +1,116 @@
-// min_bestfit: the least a `mixed` step can cost with PyTorch's placement rules, for reference.
+// min_bestfit: what a `mixed` step costs with PyTorch's placement rules and nothing else.
 //
 // A best-fit caching allocator reduced to the rules alone: sizes rounded to 512 B; requests of
 // at most 1 MiB from 2 MiB segments, below 10 MiB from 20 MiB segments, larger ones from their
-// own segments rounded to 2 MiB; best fit by (size, address) in a `BTreeSet` per kind; a small
+// own segments rounded to 2 MiB; best fit by (size, address) in an ordered set per kind; a small
 // block split when 512 B or more remain, a large one when more than 1 MiB remains; neighbours
 // merged on free; segments from a counter (no device). No streams, pools, statistics, events,
 // thread caches, hooks or error paths. It runs `mempool-bench latency mixed`'s workload (the
 // same xorshift64 sequence, 16 then 256 live allocations on one allocator, 200,000 timed steps;
-// ITERS overrides) and prints `mixed <live> <ns> ns  segs <segments made so far>`.
+// ITERS overrides) twice: with the ordered sets as `BTreeSet`s (`btree`), then as size bins
+// (`binned`: a bin per 512 B below 32 KiB, eight per power of two above, each a sorted vector,
+// and a bitmap of the bins that hold blocks: the shape of mempool's `caching/freeset.rs`). It
+// prints `mixed <live> <ns> ns  segs <segments made so far>  <sets>`.
 //
 //   rustc -O mempool-bench/harness/min_bestfit.rs -o /tmp/min_bestfit && /tmp/min_bestfit
 //
 // Standard library only, so it builds wherever rustc is (and runs on the GPU hosts, copied).
 use std::collections::BTreeSet;
 use std::time::Instant;
+
+/// A set of free blocks' keys (size, address, index), ordered.
+trait FreeSet {
+    fn insert(&mut self, k: u128);
+    fn remove(&mut self, k: u128);
+    /// The least key of at least `size` bytes, taken out.
+    fn take_best_fit(&mut self, size: usize) -> Option<u128>;
+}
+
+impl FreeSet for BTreeSet<u128> {
+    fn insert(&mut self, k: u128) {
+        BTreeSet::insert(self, k);
+    }
+    fn remove(&mut self, k: u128) {
+        BTreeSet::remove(self, &k);
+    }
+    fn take_best_fit(&mut self, size: usize) -> Option<u128> {
+        let k = self.range((size as u128) << 88..).next().copied()?;
+        BTreeSet::remove(self, &k);
+        Some(k)
+    }
+}
+
+/// Size bins: exact below 64 units of 512 B, then eight per power of two; each bin sorted.
+const EXACT: usize = 64;
+const BINS: usize = 256;
+struct Binned {
+    bins: Vec<Vec<u128>>,
+    nonempty: [u64; BINS / 64],
+}
+
+impl Binned {
+    fn new() -> Binned {
+        Binned { bins: (0..BINS).map(|_| Vec::new()).collect(), nonempty: [0; BINS / 64] }
+    }
+    fn bin(size: usize) -> usize {
+        let units = size >> 9;
+        if units < EXACT {
+            return units;
+        }
+        let e = usize::BITS as usize - 1 - units.leading_zeros() as usize;
+        (EXACT + (e - 6) * 8 + ((units >> (e - 3)) & 7)).min(BINS - 1)
+    }
+    fn next_nonempty(&self, from: usize) -> Option<usize> {
+        let mut w = from / 64;
+        if w >= self.nonempty.len() {
+            return None;
+        }
+        let mut bits = self.nonempty[w] & (!0u64 << (from % 64));
+        loop {
+            if bits != 0 {
+                return Some(w * 64 + bits.trailing_zeros() as usize);
+            }
+            w += 1;
+            if w == self.nonempty.len() {
+                return None;
+            }
+            bits = self.nonempty[w];
+        }
+    }
+}
+
+impl FreeSet for Binned {
+    fn insert(&mut self, k: u128) {
+        let c = Binned::bin((k >> 88) as usize);
+        let v = &mut self.bins[c];
+        let at = v.partition_point(|x| *x < k);
+        v.insert(at, k);
+        self.nonempty[c / 64] |= 1 << (c % 64);
+    }
+    fn remove(&mut self, k: u128) {
+        let c = Binned::bin((k >> 88) as usize);
+        let v = &mut self.bins[c];
+        if let Ok(at) = v.binary_search(&k) {
+            v.remove(at);
+        }
+        if v.is_empty() {
+            self.nonempty[c / 64] &= !(1 << (c % 64));
+        }
+    }
+    fn take_best_fit(&mut self, size: usize) -> Option<u128> {
+        let c = Binned::bin(size);
+        let lo = (size as u128) << 88;
+        let v = &self.bins[c];
+        let at = v.partition_point(|x| *x < lo);
+        let (c, at) = if at < v.len() { (c, at) } else { (self.next_nonempty(c + 1)?, 0) };
+        let v = &mut self.bins[c];
+        let k = v.remove(at);
+        if v.is_empty() {
+            self.nonempty[c / 64] &= !(1 << (c % 64));
+        }
+        Some(k)
+    }
+}
 
 const SMALL: usize = 1 << 20;
 #[derive(Clone, Copy)]
@@ -26,17 +123,17 @@ struct Block {
     small: bool,
 }
 const NONE: u32 = u32::MAX;
-struct A {
+struct A<S> {
     blocks: Vec<Block>,
     spare: Vec<u32>,
-    sets: [BTreeSet<u128>; 2],
+    sets: [S; 2],
     top: u64,
     segs: usize,
 }
 fn key(b: &Block, i: u32) -> u128 {
     ((b.size as u128) << 88) | ((b.addr as u128) << 32) | i as u128
 }
-impl A {
+impl<S: FreeSet> A<S> {
     fn new_block(&mut self, b: Block) -> u32 {
         match self.spare.pop() {
             Some(i) => {
@@ -59,14 +156,8 @@ impl A {
     fn alloc(&mut self, req: usize) -> u32 {
         let size = Self::round(req);
         let small = size <= SMALL;
-        let set = &mut self.sets[small as usize];
-        let lo = (size as u128) << 88;
-        let found = set.range(lo..).next().copied();
-        let i = match found {
-            Some(k) => {
-                set.remove(&k);
-                k as u32
-            }
+        let i = match self.sets[small as usize].take_best_fit(size) {
+            Some(k) => k as u32,
             None => {
                 let seg = if small {
                     2 << 20
@@ -111,7 +202,7 @@ impl A {
         let p = self.blocks[cur as usize].prev;
         if p != NONE && self.blocks[p as usize].free {
             let pb = self.blocks[p as usize];
-            self.sets[small as usize].remove(&key(&pb, p));
+            self.sets[small as usize].remove(key(&pb, p));
             let cb = self.blocks[cur as usize];
             let pm = &mut self.blocks[p as usize];
             pm.size += cb.size;
@@ -125,7 +216,7 @@ impl A {
         let n = self.blocks[cur as usize].next;
         if n != NONE && self.blocks[n as usize].free {
             let nb = self.blocks[n as usize];
-            self.sets[small as usize].remove(&key(&nb, n));
+            self.sets[small as usize].remove(key(&nb, n));
             let cm = &mut self.blocks[cur as usize];
             cm.size += nb.size;
             cm.next = nb.next;
@@ -151,10 +242,8 @@ impl Rng {
         lo + (self.next() % lo as u64) as usize
     }
 }
-fn main() {
-    let iters: usize = std::env::var("ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
-    let mut a =
-        A { blocks: Vec::new(), spare: Vec::new(), sets: [BTreeSet::new(), BTreeSet::new()], top: 1 << 32, segs: 0 };
+fn run<S: FreeSet>(sets: [S; 2], name: &str, iters: usize) {
+    let mut a = A { blocks: Vec::new(), spare: Vec::new(), sets, top: 1 << 32, segs: 0 };
     for live in [16usize, 256] {
         let mut rng = Rng(42);
         let mut v: Vec<u32> = (0..live).map(|_| a.alloc(rng.size())).collect();
@@ -164,9 +253,15 @@ fn main() {
             a.free(v[k]);
             v[k] = a.alloc(rng.size());
         }
-        println!("mixed {live} {:.1} ns  segs {}", t.elapsed().as_nanos() as f64 / iters as f64, a.segs);
+        println!("mixed {live} {:.1} ns  segs {}  {name}", t.elapsed().as_nanos() as f64 / iters as f64, a.segs);
         for i in v {
             a.free(i);
         }
     }
+}
+
+fn main() {
+    let iters: usize = std::env::var("ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
+    run([BTreeSet::new(), BTreeSet::new()], "btree", iters);
+    run([Binned::new(), Binned::new()], "binned", iters);
 }
