@@ -797,8 +797,7 @@ impl DeviceAllocator {
         let no_split = st.no_split(slot);
         match st.best_fit(set, rounded, no_split) {
             Some(b) => {
-                let (block, _) = st.take_block(b, rounded, req.size);
-                let a = st.allocation(block, rounded);
+                let a = st.take_block(b, rounded, req.size);
                 self.unlock(st, false);
                 Ok(a)
             }
@@ -838,8 +837,7 @@ impl DeviceAllocator {
             let no_split = st.no_split(slot);
             // Another thread may have freed a fitting block while the lock was let go.
             if let Some(b) = st.best_fit(set, rounded, no_split) {
-                let (block, _) = st.take_block(b, rounded, req.size);
-                let a = st.allocation(block, rounded);
+                let a = st.take_block(b, rounded, req.size);
                 self.unlock(st, true);
                 return Ok(a);
             }
@@ -918,8 +916,7 @@ impl DeviceAllocator {
                             }
                         }
                         let block = st.insert_segment(addr, size, key, req.stream, seg_keep, true);
-                        let (block, _) = st.take_block(block, rounded, req.size);
-                        let a = st.allocation(block, rounded);
+                        let a = st.take_block(block, rounded, req.size);
                         self.unlock(st, true);
                         return Ok(a);
                     }
@@ -964,8 +961,7 @@ impl DeviceAllocator {
             }
             if slot == Slot::DEFAULT {
                 if let Some(b) = st.borrow_from_pools(req.stream.key, small, rounded) {
-                    let (block, _) = st.take_block(b, rounded, req.size);
-                    let a = st.allocation(block, rounded);
+                    let a = st.take_block(b, rounded, req.size);
                     #[cfg(feature = "tracing")]
                     let lender = st.pools[st.block(b).pool.get()].spec.id.0;
                     self.unlock(st, true);
@@ -1061,8 +1057,7 @@ impl DeviceAllocator {
                 let slot_now = st.resolve(req.pool).unwrap_or(Slot::DEFAULT);
                 if let Some(b) = fits.filter(|&b| st.block(b).pool == slot_now) {
                     st.remove_free(b);
-                    let (block, _) = st.take_block(b, rounded, req.size);
-                    let a = st.allocation(block, rounded);
+                    let a = st.take_block(b, rounded, req.size);
                     self.unlock(st, true);
                     return Grown::Done(a);
                 }

@@ -593,10 +593,11 @@ impl State {
         }
     }
 
-    /// Hands out `block` (free, out of its set) for a request: splits off the rest if the rules
-    /// say so, and counts it.
+    /// Hands out `block` (free, out of its set) for a request of `requested` bytes, `rounded`
+    /// being the configuration's rounding of them: splits off the rest if the rules say so,
+    /// counts it, and returns what the caller holds of it.
     #[inline]
-    pub(super) fn take_block(&mut self, block: BlockIdx, rounded: usize, requested: usize) -> (BlockIdx, u64) {
+    pub(super) fn take_block(&mut self, block: BlockIdx, rounded: usize, requested: usize) -> super::Allocation {
         let b = self.block(block);
         let (small, pool) = (b.small, b.pool);
         // The inactive-split change of the whole step, counted once (as PyTorch counts a
@@ -646,7 +647,7 @@ impl State {
         let b = self.block_mut(block);
         b.state = BlockState::Allocated;
         b.requested = requested;
-        let (size, addr) = (b.size, b.addr);
+        let size = b.size;
         let oversize = size >= self.config.max_split_size;
         self.sink.on_alloc(small, size, requested, oversize);
         if pool != Slot::DEFAULT {
@@ -659,7 +660,7 @@ impl State {
         if crate::trace::enabled() {
             self.emit(Action::Alloc, block);
         }
-        (block, addr)
+        self.allocation(block, rounded)
     }
 
     /// Elided allocations of a user pool (see `ThreadStats::pool_elided`: id, slot, count,
@@ -675,7 +676,7 @@ impl State {
     /// What a caller holds of a block just handed out for a request whose rounded size is
     /// `rounded` (the configuration's rounding of the bytes asked for).
     #[inline(always)]
-    pub(super) fn allocation(&self, block: BlockIdx, rounded: usize) -> super::Allocation {
+    fn allocation(&self, block: BlockIdx, rounded: usize) -> super::Allocation {
         let b = self.block(block);
         let p = &self.pools[b.pool.get()];
         super::Allocation {
