@@ -195,6 +195,18 @@ impl<S: FreeSet> A<S> {
         self.blocks[i as usize].free = false;
         i
     }
+    /// Merges block `b`'s successor into `b` (neither in a set).
+    fn merge_next_into(&mut self, b: u32) {
+        let n = self.blocks[b as usize].next;
+        let nb = self.blocks[n as usize];
+        let bm = &mut self.blocks[b as usize];
+        bm.size += nb.size;
+        bm.next = nb.next;
+        if nb.next != NONE {
+            self.blocks[nb.next as usize].prev = b;
+        }
+        self.spare.push(n);
+    }
     fn free(&mut self, i: u32) {
         let mut cur = i;
         let small = self.blocks[i as usize].small;
@@ -203,27 +215,14 @@ impl<S: FreeSet> A<S> {
         if p != NONE && self.blocks[p as usize].free {
             let pb = self.blocks[p as usize];
             self.sets[small as usize].remove(key(&pb, p));
-            let cb = self.blocks[cur as usize];
-            let pm = &mut self.blocks[p as usize];
-            pm.size += cb.size;
-            pm.next = cb.next;
-            if cb.next != NONE {
-                self.blocks[cb.next as usize].prev = p;
-            }
-            self.spare.push(cur);
+            self.merge_next_into(p);
             cur = p;
         }
         let n = self.blocks[cur as usize].next;
         if n != NONE && self.blocks[n as usize].free {
             let nb = self.blocks[n as usize];
             self.sets[small as usize].remove(key(&nb, n));
-            let cm = &mut self.blocks[cur as usize];
-            cm.size += nb.size;
-            cm.next = nb.next;
-            if nb.next != NONE {
-                self.blocks[nb.next as usize].prev = cur;
-            }
-            self.spare.push(n);
+            self.merge_next_into(cur);
         }
         let cb = self.blocks[cur as usize];
         self.sets[small as usize].insert(key(&cb, cur));
