@@ -433,6 +433,12 @@ pub(crate) struct ThreadStats {
     /// out, counted in the totals only), per kind (`kind * ELIDED + field`): count, bytes,
     /// bytes asked for, and of those, blocks and bytes of split segments.
     elided: [AtomicU64; 2 * ELIDED],
+    /// Take-backs of deferred blocks described by the record now in `def_size` and `def_req`
+    /// (whatever `def_word` says) not yet added to `elided`: a take-back bumps this one
+    /// counter, and the record's figures times it join `elided` when a deferred free with
+    /// other figures replaces the record (a thread that frees and allocates one size in turn
+    /// keeps one record). Readers add it in (`add_into`, `absorb`).
+    def_hits: AtomicU64,
 }
 
 /// Fields of `ThreadStats::elided` per kind.
@@ -454,6 +460,7 @@ impl Default for ThreadStats {
             def_clipped: AtomicBool::new(false),
             pool_elided: std::array::from_fn(|_| AtomicU64::new(0)),
             elided: std::array::from_fn(|_| AtomicU64::new(0)),
+            def_hits: AtomicU64::new(0),
         }
     }
 }
@@ -521,8 +528,13 @@ impl ThreadStats {
     #[inline(always)]
     pub(crate) fn defer(&self, word: u64, small: bool, size: usize, requested: usize, split: bool, pool: u64) {
         let flags = if small { DEF_SMALL } else { 0 } | if split { DEF_SPLIT } else { 0 };
-        self.def_size.store(size as u64 | flags, Ordering::Relaxed);
-        self.def_req.store(requested as u64, Ordering::Relaxed);
+        let v = size as u64 | flags;
+        if self.def_size.load(Ordering::Relaxed) != v || self.def_req.load(Ordering::Relaxed) != requested as u64 {
+            // The record's take-backs are added up before it changes.
+            self.fold_def_hits();
+            self.def_size.store(v, Ordering::Relaxed);
+            self.def_req.store(requested as u64, Ordering::Relaxed);
+        }
         self.def_pool.store(pool, Ordering::Relaxed);
         self.def_clipped.store(false, Ordering::Relaxed);
         self.def_word.store(word, Ordering::Release);
@@ -588,22 +600,47 @@ impl ThreadStats {
         self.def_clipped.load(Ordering::Relaxed) && self.def_clipped.swap(false, Ordering::Relaxed)
     }
 
-    /// Its thread took its deferred block back: the free and this allocation cancel out; only
-    /// the totals move (`add_into` adds these to them).
+    /// Its thread took its deferred block back (the block `def_size` and `def_req` describe):
+    /// the free and this allocation cancel out; only the totals move, by the record's figures
+    /// (one counter here: see `def_hits`).
     #[inline(always)]
-    pub(crate) fn on_elided(&self, small: bool, size: usize, requested: usize, split: bool) {
-        let k = !small as usize * ELIDED;
-        let bump = |f: usize, n: u64| {
-            let a = &self.elided[k + f];
-            a.store(a.load(Ordering::Relaxed) + n, Ordering::Relaxed)
-        };
-        bump(0, 1);
-        bump(1, size as u64);
-        bump(2, requested as u64);
-        if split {
-            bump(3, 1);
-            bump(4, size as u64);
+    pub(crate) fn on_elided(&self) {
+        // (Callers check the record in debug builds: `def_record_is`.)
+        self.def_hits.store(self.def_hits.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+    }
+
+    /// Whether the deferred record describes a block of these figures (debug checks).
+    pub(crate) fn def_record_is(&self, small: bool, size: usize, requested: usize, split: bool) -> bool {
+        let flags = if small { DEF_SMALL } else { 0 } | if split { DEF_SPLIT } else { 0 };
+        self.def_size.load(Ordering::Relaxed) == size as u64 | flags
+            && self.def_req.load(Ordering::Relaxed) == requested as u64
+    }
+
+    /// The record's take-backs, times its figures, per `elided` field (count, bytes, bytes
+    /// asked for, split blocks, split bytes), with the kind's offset into `elided`.
+    fn def_hits_figures(&self) -> (usize, [u64; ELIDED]) {
+        let n = self.def_hits.load(Ordering::Relaxed);
+        let v = self.def_size.load(Ordering::Relaxed);
+        let (small, split) = (v & DEF_SMALL != 0, v & DEF_SPLIT != 0);
+        let size = v & !(DEF_SMALL | DEF_SPLIT);
+        let req = self.def_req.load(Ordering::Relaxed);
+        let s = u64::from(split);
+        (!small as usize * ELIDED, [n, n * size, n * req, n * s, n * s * size])
+    }
+
+    /// Adds the record's take-backs to `elided` and zeroes them (by its thread, the only
+    /// writer of both).
+    #[cold]
+    #[inline(never)]
+    fn fold_def_hits(&self) {
+        if self.def_hits.load(Ordering::Relaxed) == 0 {
+            return;
         }
+        let (k, f) = self.def_hits_figures();
+        for (a, n) in self.elided[k..k + ELIDED].iter().zip(f) {
+            a.store(a.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+        }
+        self.def_hits.store(0, Ordering::Relaxed);
     }
 
     /// What the deferred block, if any, changes in public entry `i` (the block counts as
@@ -767,15 +804,21 @@ impl ThreadStats {
         for (a, b) in self.elided.iter().zip(&other.elided) {
             a.store(a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed), Ordering::Relaxed);
         }
+        let (k, f) = other.def_hits_figures();
+        for (a, n) in self.elided[k..k + ELIDED].iter().zip(f) {
+            a.store(a.load(Ordering::Relaxed) + n, Ordering::Relaxed);
+        }
     }
 
     /// Adds the current values and totals into `sum` (public entries).
     pub(crate) fn add_into(&self, sum: &mut Sum) {
+        // The deferred record's take-backs not yet in `elided`.
+        let (dk, df) = self.def_hits_figures();
         for e in 0..M {
             let (s, large) = (e / 2, e % 2);
             let (c, t) = (self.cur[e].load(Ordering::Relaxed), self.total[e].load(Ordering::Relaxed));
             let f = large * ELIDED;
-            let elided = |x: usize| self.elided[f + x].load(Ordering::Relaxed);
+            let elided = |x: usize| self.elided[f + x].load(Ordering::Relaxed) + if f == dk { df[x] } else { 0 };
             let t = t + match s {
                 ALLOCATION | ACTIVE => elided(0),
                 ALLOCATED_BYTES | ACTIVE_BYTES => elided(1),

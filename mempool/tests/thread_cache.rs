@@ -379,6 +379,69 @@ fn deferred_frees_keep_every_figure_exact() {
     check_invariants(&a, Some(&sim));
 }
 
+/// Take-backs of deferred frees are counted as one counter per run of one size (added up when
+/// the size changes): runs of several sizes of both kinds, read by the thread itself, by another
+/// thread while it is alive and idle, and after it exited, give the exact totals.
+#[test]
+fn deferred_frees_of_changing_sizes_keep_every_total_exact() {
+    let (sim, a) = setup(1 << 30);
+    // (bytes asked for, rounded size, small, pairs)
+    let runs = [
+        (4000, 4096, true, 50),
+        (512, 512, true, 30),
+        (4000, 4096, true, 20),
+        (3 * MIB + 100, 3 * MIB + 512, false, 40),
+        (MIB, MIB, true, 10),
+        (3 * MIB + 100, 3 * MIB + 512, false, 3),
+        (4000, 4096, true, 5),
+    ];
+    let (mut n, mut bytes, mut req) = ([0u64; 2], [0u64; 2], [0u64; 2]);
+    for &(ask, rounded, small, pairs) in &runs {
+        let k = usize::from(!small);
+        n[k] += pairs;
+        bytes[k] += pairs * rounded as u64;
+        req[k] += pairs * ask as u64;
+    }
+    let check = |s: &mempool::MemoryStats, when: &str| {
+        assert_eq!(s.allocation.small_pool.allocated, n[0], "{when}: small allocations");
+        assert_eq!(s.allocation.large_pool.allocated, n[1], "{when}: large allocations");
+        assert_eq!(s.allocation.all.allocated, n[0] + n[1], "{when}: allocations");
+        assert_eq!(s.allocation.all.freed, n[0] + n[1], "{when}: frees");
+        assert_eq!(s.allocated_bytes.small_pool.allocated, bytes[0], "{when}: small bytes");
+        assert_eq!(s.allocated_bytes.large_pool.allocated, bytes[1], "{when}: large bytes");
+        assert_eq!(s.active_bytes.all.allocated, bytes[0] + bytes[1], "{when}: active bytes");
+        assert_eq!(s.requested_bytes.small_pool.allocated, req[0], "{when}: small bytes asked for");
+        assert_eq!(s.requested_bytes.large_pool.allocated, req[1], "{when}: large bytes asked for");
+        assert_eq!(s.allocated_bytes.all.current, 0, "{when}");
+        let i = &s.inactive_split.all;
+        assert_eq!(i.allocated, i.freed + i.current as u64, "{when}: inactive-split");
+        let ib = &s.inactive_split_bytes.all;
+        assert_eq!(ib.allocated, ib.freed + ib.current as u64, "{when}: inactive-split bytes");
+    };
+    let (done, go_on) = (std::sync::mpsc::channel(), std::sync::mpsc::channel::<()>());
+    let worker = {
+        let a = a.clone();
+        let (tx, rx) = (done.0, go_on.1);
+        std::thread::spawn(move || {
+            for &(ask, _, _, pairs) in &runs {
+                for _ in 0..pairs {
+                    drop(a.alloc::<u8>(ask).unwrap());
+                }
+            }
+            tx.send(a.memory_stats()).unwrap();
+            rx.recv().unwrap();
+        })
+    };
+    check(&done.1.recv().unwrap(), "read by the thread");
+    check(&a.memory_stats(), "read by another thread");
+    go_on.0.send(()).unwrap();
+    worker.join().unwrap();
+    check(&a.memory_stats(), "after the thread exited");
+    a.empty_cache().unwrap();
+    check(&a.memory_stats(), "after empty_cache");
+    check_invariants(&a, Some(&sim));
+}
+
 /// Another thread reaches a new peak candidate while this thread holds a deferred free (no
 /// drain in between: the peak census): the freed block does not count as allocated.
 #[test]

@@ -501,7 +501,8 @@ impl Owner {
                     // Its free was never counted: that free and this allocation cancel out.
                     self.deferred = 0;
                     self.shared.stats.undefer();
-                    self.shared.stats.on_elided(hit.small, size, requested, split);
+                    debug_assert!(self.shared.stats.def_record_is(hit.small, size, requested, split));
+                    self.shared.stats.on_elided();
                     if pool.id != PoolId::DEFAULT {
                         self.shared.stats.on_pool_elided(pool.id.0, pool.slot, size, requested);
                     }
