@@ -16,7 +16,7 @@
 //! # Ok::<(), mempool::Error>(())
 //! ```
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 
 use crate::backend::Keep;
@@ -52,6 +52,18 @@ struct Tls {
 thread_local! {
     static TLS: RefCell<Tls> =
         const { RefCell::new(Tls { streams: Vec::new(), routes: Vec::new(), next_id: 1 }) };
+    /// This thread has no current-stream setting and no pool scope (`TLS` holds none): every
+    /// allocator's current stream is the default one, with the default pools. One load on the
+    /// allocation path instead of `TLS`'s state check, borrow and searches. (No destructor:
+    /// readable to the end of the thread.)
+    static BARE: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Sets `BARE` from `t` (after a change to it).
+#[inline]
+fn note_bare(t: &Tls) {
+    let bare = t.streams.is_empty() && t.routes.is_empty();
+    let _ = BARE.try_with(|b| b.set(bare));
 }
 
 #[inline(always)]
@@ -65,6 +77,9 @@ fn current_of(t: &Tls, key: u64) -> Option<&Current> {
 /// This thread's current stream for allocator `key`.
 #[inline]
 pub(crate) fn current(key: u64) -> StreamRef {
+    if BARE.try_with(Cell::get).unwrap_or(false) {
+        return StreamRef::DEFAULT;
+    }
     TLS.try_with(|t| current_of(&t.borrow(), key).map_or(StreamRef::DEFAULT, |c| c.stream))
         .unwrap_or(StreamRef::DEFAULT)
 }
@@ -79,6 +94,9 @@ pub(crate) fn current_keep(key: u64) -> Option<Keep> {
 /// innermost scope of this thread on that stream, or the default pools.
 #[inline]
 pub(crate) fn current_with_pool(key: u64) -> (StreamRef, PoolRef) {
+    if BARE.try_with(Cell::get).unwrap_or(false) {
+        return (StreamRef::DEFAULT, PoolRef::DEFAULT);
+    }
     TLS.try_with(|t| {
         let t = t.borrow();
         let s = current_of(&t, key).map_or(StreamRef::DEFAULT, |c| c.stream);
@@ -103,6 +121,7 @@ pub(crate) fn begin_route(key: u64, stream: StreamKey, pool: PoolRef) -> Option<
         let id = t.next_id;
         t.next_id += 1;
         t.routes.push(Route { key, stream, pool, id });
+        note_bare(&t);
         id
     })
     .ok()
@@ -117,6 +136,7 @@ pub(crate) fn end_route(id: u64) {
         if let Some(i) = t.routes.iter().rposition(|r| r.id == id) {
             t.routes.remove(i);
         }
+        note_bare(&t);
     });
 }
 
@@ -144,6 +164,7 @@ impl StreamGuard {
                 let id = t.next_id;
                 t.next_id += 1;
                 t.streams.push(Current { key, stream, keep, id });
+                note_bare(&t);
                 id
             })
             .ok()?;
@@ -156,7 +177,9 @@ impl Drop for StreamGuard {
         let removed = TLS.try_with(|t| {
             let mut t = t.borrow_mut();
             let i = t.streams.iter().rposition(|c| c.id == self.id)?;
-            Some(t.streams.remove(i))
+            let c = t.streams.remove(i);
+            note_bare(&t);
+            Some(c)
         });
         // The stream (if this was its last holder) is destroyed outside the borrow.
         drop(removed);
