@@ -400,12 +400,13 @@ impl<K: Kind> Allocator<K> {
         if bytes == 0 {
             return Ok(Buffer::empty(self.shared.clone(), len, stream));
         }
-        let key = self.shared.key;
-        let req = Request { size: bytes, stream, pool, keep: &|| stream::current_keep(key) };
-        // The cache's hit builds its buffer apart from the other paths (see `malloc_cached`).
-        if let Some(a) = self.shared.core.malloc_cached(&req) {
+        // The cache's hit builds its buffer apart from the other paths (see `malloc_cached`),
+        // and makes no `Request`.
+        if let Some(a) = self.shared.core.malloc_cached(bytes, stream.key, pool) {
             return Ok(Buffer::new(self.shared.clone(), a, len, stream));
         }
+        let key = self.shared.key;
+        let req = Request { size: bytes, stream, pool, keep: &|| stream::current_keep(key) };
         match self.shared.core.malloc_slow(&req) {
             Ok(a) => Ok(Buffer::new(self.shared.clone(), a, len, stream)),
             Err(e) => Err(self.on_error(e)),

@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, OnceLock, TryLockError};
 use crate::backend::{contain, Backend, BackendError, Keep};
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::id::{AllocatorId, PoolId, PoolRef, StreamRef};
+use crate::id::{AllocatorId, PoolId, PoolRef, StreamKey, StreamRef};
 use crate::rules::is_small;
 use crate::snapshot::{BlockSnapshot, BlockState, SegmentSnapshot, Snapshot};
 use crate::stats::{MemoryStats, PoolStats};
@@ -686,7 +686,7 @@ impl DeviceAllocator {
     /// allocation there would feed the hook its own events).
     #[inline]
     pub(crate) fn malloc(&self, req: &Request<'_>) -> Result<Allocation> {
-        match self.malloc_cached(req) {
+        match self.malloc_cached(req.size, req.stream.key, req.pool) {
             Some(a) => Ok(a),
             None => self.malloc_slow(req),
         }
@@ -697,14 +697,14 @@ impl DeviceAllocator {
     /// this with [`malloc_slow`](Self::malloc_slow)'s result first would copy them through
     /// memory, just written, which costs the processor more than the rest of the hit).
     #[inline(always)]
-    pub(crate) fn malloc_cached(&self, req: &Request<'_>) -> Option<Allocation> {
+    pub(crate) fn malloc_cached(&self, size: usize, stream: StreamKey, pool: PoolRef) -> Option<Allocation> {
         if self.rounding.thread_cache
             && self.capturing.load(Ordering::Relaxed) == 0
             && !self.has_error.load(Ordering::Relaxed)
             && !trace::enabled()
             && !trace::in_hook()
         {
-            return self.take_cached(req);
+            return self.take_cached(size, stream, pool);
         }
         None
     }
@@ -724,12 +724,10 @@ impl DeviceAllocator {
 
     /// A block of this thread's cache for `req` (default pools), if there is one.
     #[inline(always)]
-    fn take_cached(&self, req: &Request<'_>) -> Option<Allocation> {
-        let stream = req.stream.key;
+    fn take_cached(&self, size: usize, stream: StreamKey, pool: PoolRef) -> Option<Allocation> {
         let board = &self.caches.board;
         // Bins are found by the bytes asked for: every cached block is the rounded size of
         // its request (no rounding here).
-        let pool = req.pool;
         // A user pool's only while it is live (a scope that was forgotten may outlive it).
         if pool.slot != 0 && !self.pool_is_live(pool) {
             return None;
@@ -737,7 +735,7 @@ impl DeviceAllocator {
         // (The cache is let go at the end of this block, before a miss files anything.)
         let (taken, spilled) = {
             let mut tc = self.caches.mine_cache(self.id)?;
-            let taken = tc.take(board, stream, pool, req.size);
+            let taken = tc.take(board, stream, pool, size);
             let spilled = taken.is_none() && !tc.spill.is_empty();
             (taken, spilled)
         };
