@@ -439,6 +439,12 @@ pub(crate) struct ThreadStats {
     /// other figures replaces the record (a thread that frees and allocates one size in turn
     /// keeps one record). Readers add it in (`add_into`, `absorb`).
     def_hits: AtomicU64,
+    /// The peaks were reset (by another thread) while this thread held uncommitted decreases:
+    /// the new peaks are below the committed sum, so before its next rise (`before_rise`: its
+    /// next locked call, or counted reuse from its cache) it commits everything and checks
+    /// every peak (a rise back within its own committed value would otherwise pass a peak
+    /// unseen). Once per thread per reset.
+    recheck: AtomicBool,
 }
 
 /// Fields of `ThreadStats::elided` per kind.
@@ -461,6 +467,7 @@ impl Default for ThreadStats {
             pool_elided: std::array::from_fn(|_| AtomicU64::new(0)),
             elided: std::array::from_fn(|_| AtomicU64::new(0)),
             def_hits: AtomicU64::new(0),
+            recheck: AtomicBool::new(false),
         }
     }
 }
@@ -487,6 +494,42 @@ impl ThreadStats {
         let slack = if is_bytes(s) { byte_slack } else { COUNT_SLACK };
         if c > k || k - c > slack {
             self.commit(board, e);
+        }
+    }
+
+    /// Before its thread counts a rise (the lock taken, or a counted reuse from its cache):
+    /// see `recheck`.
+    #[inline(always)]
+    pub(crate) fn before_rise(&self, board: &Board) {
+        if self.recheck.load(Ordering::Relaxed) {
+            self.recheck_all(board);
+        }
+    }
+
+    /// Whether this thread holds an uncommitted decrease (read by others under the members'
+    /// lock: a snapshot, as good as the reset that asks).
+    fn holds_decrease(&self) -> bool {
+        (0..M).any(|e| self.committed[e].load(Ordering::Relaxed) > self.cur[e].load(Ordering::Relaxed))
+    }
+
+    /// See `recheck`: commits every entry, then checks every peak against the filter (a census
+    /// where it is above: the true sum, as after a reset, which the rise that follows then
+    /// passes only by committing).
+    #[cold]
+    #[inline(never)]
+    fn recheck_all(&self, board: &Board) {
+        self.recheck.store(false, Ordering::Relaxed);
+        self.commit_all(board);
+        for e in 0..M {
+            let (s, large) = (e / 2, e % 2);
+            let g = board.g(e);
+            if g > board.peak[s * 3 + 1 + large].load(Ordering::Relaxed) {
+                board.census(s * 3 + 1 + large, g, self);
+            }
+            let all = g + board.g(e ^ 1);
+            if all > board.peak[s * 3].load(Ordering::Relaxed) {
+                board.census(s * 3, all, self);
+            }
         }
     }
 
@@ -673,6 +716,20 @@ impl ThreadStats {
     pub(crate) fn commit_kind(&self, board: &Board, small: bool) {
         for s in [ALLOCATION, ACTIVE, ALLOCATED_BYTES, ACTIVE_BYTES, REQUESTED_BYTES] {
             self.commit(board, s * 2 + !small as usize);
+        }
+    }
+
+    /// Its thread counted the free of its deferred block, which a census had left out (the
+    /// peak is below the committed sum, which counted the block): for the allocator's one
+    /// thread, that free is committed at once, so the committed sum is the true one again and
+    /// the next allocation that passes the peak commits and checks it (left uncommitted, an
+    /// allocation could refill the freed count without passing the committed value, and a
+    /// new peak went unseen). With several threads it is not: each census would set off
+    /// commits that set off the next (RELIABILITY.md, "Known gaps").
+    #[cold]
+    pub(crate) fn settled_clipped(&self, board: &Board, small: bool) {
+        if board.solo.load(Ordering::Acquire) == self as *const ThreadStats as u64 {
+            self.commit_kind(board, small);
         }
     }
 
@@ -933,7 +990,9 @@ impl Board {
         let now = m.iter().map(|t| t.current(i)).sum::<i64>() + self.retired.current(i);
         if now < g {
             // Threads whose deferred block this sum left out: taking it back is an allocation
-            // this peak has not seen (they check again then).
+            // this peak has not seen (they check again then). (Threads holding uncommitted
+            // decreases are not marked here: each census would set off commits that set off
+            // the next, RELIABILITY.md "Known gaps"; a reset marks them, `reset_peaks`.)
             for t in m.iter().filter(|t| t.deferred(i) != 0) {
                 t.def_clipped.store(true, Ordering::Relaxed);
             }
@@ -1006,6 +1065,13 @@ impl Board {
             if t.def_word.load(Ordering::Acquire) != 0 {
                 t.def_clipped.store(true, Ordering::Relaxed);
             }
+            // Its uncommitted decreases are below these peaks' filter (see `recheck`).
+            if t.holds_decrease() {
+                t.recheck.store(true, Ordering::Relaxed);
+            }
+        }
+        if self.retired.holds_decrease() {
+            self.retired.recheck.store(true, Ordering::Relaxed);
         }
     }
 }

@@ -404,6 +404,7 @@ impl DeviceAllocator {
                 // SAFETY: this thread's counters (above), written by this thread only; the
                 // sink is cleared when the `Locked` is dropped, before the state lock is let go.
                 unsafe { g.sink.point(std::ptr::NonNull::from(&**stats), slack) };
+                stats.before_rise(&self.caches.board);
                 // This thread's elided allocations of a user pool join the pool's totals here,
                 // under the lock that readers of pool statistics take.
                 if let Some(e) = elided {
@@ -416,6 +417,8 @@ impl DeviceAllocator {
                 // SAFETY: the retired counters live as long as the board; we hold their lock
                 // until the sink is cleared (`Locked`'s drop clears it, then lets go).
                 unsafe { g.sink.point(to, crate::stats::MIN_BYTE_SLACK) }
+                // SAFETY: as above (their lock is held: this thread is their one writer now).
+                unsafe { to.as_ref() }.before_rise(&self.caches.board);
             }
             // The allocator is being dropped: no statistics are kept.
             None => g.sink.clear(),

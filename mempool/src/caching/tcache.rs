@@ -459,6 +459,11 @@ impl Owner {
         if s.compare_exchange(word, word & !UNCOUNTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
             self.shared.stats.undefer();
             self.shared.stats.on_cache(board, self.slack, m.small, m.size, m.requested, word & 1 == 1);
+            if self.shared.stats.take_clipped() {
+                // A peak census left this block out (the peak is below the committed sum, which
+                // counted it): see `ThreadStats::settled_clipped`.
+                self.shared.stats.settled_clipped(board, m.small);
+            }
         }
         0
     }
@@ -507,6 +512,7 @@ impl Owner {
                         self.shared.stats.on_pool_elided(pool.id.0, pool.slot, size, requested);
                     }
                 } else {
+                    self.shared.stats.before_rise(board);
                     self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
                 }
                 return Some(hit);
