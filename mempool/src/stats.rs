@@ -625,6 +625,15 @@ impl ThreadStats {
         [1, size, self.def_req.load(Ordering::Relaxed) as i64]
     }
 
+    /// Whether no deferred free is recorded (read by its thread, after settling its own: a
+    /// record left is that of a block a drain took and has not filed yet). Acquire: the
+    /// filing's clear happens before the next record is written, so a sum that read the old
+    /// word never reads the new record's figures.
+    #[inline(always)]
+    pub(crate) fn record_clear(&self) -> bool {
+        self.def_word.load(Ordering::Acquire) == 0
+    }
+
     /// The deferred free is settled (counted, or cancelled by a reuse): by its thread.
     #[inline(always)]
     pub(crate) fn undefer(&self) {
@@ -633,8 +642,10 @@ impl ThreadStats {
 
     /// The block whose slot word is `word` was filed (its free counted): if it was the
     /// deferred one, it is no longer.
-    pub(crate) fn undefer_taken(&self, word: u64) {
-        let _ = self.def_word.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
+    /// Returns whether it was (false: its thread exited and its retirement counted the free,
+    /// see `absorb`).
+    pub(crate) fn undefer_taken(&self, word: u64) -> bool {
+        self.def_word.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
     }
 
     /// Whether a census left the deferred block out since it was deferred (then reset).
@@ -856,8 +867,36 @@ impl ThreadStats {
             let t = self.total[e].load(Ordering::Relaxed) + other.total[e].load(Ordering::Relaxed);
             self.total[e].store(t, Ordering::Relaxed);
         }
-        // A thread's deferred free is counted by the drain that took its block, before it is
-        // retired: nothing of it is left to carry over.
+        // A deferred free still recorded: a drain took the block (its thread has exited, so
+        // nobody else would) and has not filed it yet. Counted here as its thread would have
+        // counted it when caching it (`on_cache`), the record cleared in the same step (under
+        // the members' lock, as sums read): the filing, finding no record, files it as a
+        // counted cached block. (Left to the filing, every sum between this retirement and
+        // the filing counted the block allocated.)
+        let w = other.def_word.swap(0, Ordering::AcqRel);
+        if w != 0 {
+            let v = other.def_size.load(Ordering::Relaxed);
+            let (small, split) = (v & DEF_SMALL != 0, v & DEF_SPLIT != 0);
+            let size = (v & !(DEF_SMALL | DEF_SPLIT)) as i64;
+            let req = other.def_req.load(Ordering::Relaxed) as i64;
+            let (isn, isb) = if split { (1, size) } else { (0, 0) };
+            let moves = [
+                (ALLOCATION, -1),
+                (ALLOCATED_BYTES, -size),
+                (REQUESTED_BYTES, -req),
+                (ACTIVE, -1),
+                (ACTIVE_BYTES, -size),
+                (INACTIVE_SPLIT, isn),
+                (INACTIVE_SPLIT_BYTES, isb),
+            ];
+            for (s, n) in moves {
+                let e = s * 2 + !small as usize;
+                self.cur[e].store(self.cur[e].load(Ordering::Relaxed) + n, Ordering::Relaxed);
+                if n > 0 {
+                    self.total[e].store(self.total[e].load(Ordering::Relaxed) + n as u64, Ordering::Relaxed);
+                }
+            }
+        }
         for (a, b) in self.elided.iter().zip(&other.elided) {
             a.store(a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed), Ordering::Relaxed);
         }
