@@ -16,12 +16,16 @@
 #   bash mempool-bench/harness/core_rounds.sh latency [rounds]   # .gpu/anchors/compare.sh latency
 #   bash mempool-bench/harness/core_rounds.sh pinned [rounds]    # pinned.sh (pinned host memory)
 #   bash mempool-bench/harness/core_rounds.sh interleave [runs]  # see below
+#   bash mempool-bench/harness/core_rounds.sh interleave-pinned [runs]  # the same, pinned.sh's pair
 #
 # `interleave` runs the anchors' PyTorch latency harness and `mempool-bench latency` one after the
 # other `runs` times (4 by default) on the core the probe picks, and prints every run ("-" where a
 # run gave no figure for a row) and, per row, the least time of each side and their ratio: the
 # time with the least interference, as latency benchmarks usually report it (noise only adds).
 # It builds the harness through one `compare.sh latency` run first (whose table it prints too).
+# `interleave-pinned` does the same with pinned host memory: PyTorch's caching host allocator
+# (pinned_anchor.cpp, built here as pinned.sh builds it) and `mempool-bench latency pair mixed
+# --backend pinned`.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -30,8 +34,8 @@ bin=${MEMPOOL_BENCH:-$root/.gpu/bin/mempool-bench}
 what=${1:-latency}
 case $what in
 latency | pinned) rounds=${2:-2} ;;
-interleave) rounds=${2:-4} ;;
-*) echo "usage: core_rounds.sh latency|pinned|interleave [rounds]"; exit 2 ;;
+interleave | interleave-pinned) rounds=${2:-4} ;;
+*) echo "usage: core_rounds.sh latency|pinned|interleave|interleave-pinned [rounds]"; exit 2 ;;
 esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # The workloads as the anchors define them, whatever the caller's environment says.
@@ -68,17 +72,29 @@ pick_core() {
 # Steal time (clock ticks) per core, from /proc/stat: "cpuN ticks" lines.
 steal() { awk '/^cpu[0-9]/ {print $1, $9}' /proc/stat; }
 
-if [[ $what == interleave ]]; then
-  rm -f /tmp/torch_allocbench
-  bash "$root/.gpu/anchors/compare.sh" latency 2>&1 | tail -9
-  [[ -x /tmp/torch_allocbench ]] || { echo "compare.sh did not build /tmp/torch_allocbench"; exit 1; }
+if [[ $what == interleave* ]]; then
+  if [[ $what == interleave ]]; then
+    rm -f /tmp/torch_allocbench
+    bash "$root/.gpu/anchors/compare.sh" latency 2>&1 | tail -9
+    [[ -x /tmp/torch_allocbench ]] || { echo "compare.sh did not build /tmp/torch_allocbench"; exit 1; }
+    anchor=(/tmp/torch_allocbench)
+    ours=("$bin" latency)
+  else
+    TORCH=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
+    CUDA=${CUDA_HOME:-/usr/local/cuda}
+    g++ -O2 -std=c++17 -Wno-interference-size "$here/pinned_anchor.cpp" -o "$tmp/pinned_anchor" -I"$TORCH/include" \
+      -I"$CUDA/include" -L"$TORCH/lib" -Wl,--no-as-needed -ltorch_cuda -ltorch_cpu -lc10_cuda -lc10 -L"$CUDA/lib64" \
+      -lcudart -Wl,-rpath,"$TORCH/lib:$CUDA/lib64" || { echo "pinned_anchor.cpp did not build"; exit 1; }
+    anchor=("$tmp/pinned_anchor")
+    ours=("$bin" latency pair mixed --backend pinned)
+  fi
   pick_core
   echo "== probe ns per pair, core:ns: $probes"
   echo "== interleaved on core $best ($best_ns ns probe), $rounds runs of each"
   for r in $(seq 1 "$rounds"); do
-    CUDA_VISIBLE_DEVICES=0 taskset -c "$best" /tmp/torch_allocbench > "$tmp/t.$r" 2>&1 ||
+    CUDA_VISIBLE_DEVICES=0 taskset -c "$best" "${anchor[@]}" > "$tmp/t.$r" 2>&1 ||
       echo "run $r: PyTorch's harness failed: $(tail -1 "$tmp/t.$r")"
-    CUDA_VISIBLE_DEVICES=0 taskset -c "$best" "$bin" latency > "$tmp/m.$r" 2> "$tmp/m.$r.err" ||
+    CUDA_VISIBLE_DEVICES=0 taskset -c "$best" "${ours[@]}" > "$tmp/m.$r" 2> "$tmp/m.$r.err" ||
       echo "run $r: mempool-bench failed: $(tail -1 "$tmp/m.$r.err")"
   done
   echo "== core $best probed again: $(probe_core "$best") ns"
@@ -93,6 +109,8 @@ for r in range(n):
         w = l.split()
         if l.startswith("pair(") and len(w) > 3: row(("pair", w[2]))[0][r] = float(w[3])
         elif l.startswith("mixed ") and len(w) > 4: row(("mixed", w[3]))[0][r] = float(w[4])
+        # pinned_anchor.cpp: "torch_pinned pair SIZE NS", "torch_pinned mixed LIVE NS reserved_peak ..."
+        elif w[:1] == ["torch_pinned"] and len(w) > 3 and w[1] in ("pair", "mixed"): row((w[1], w[2]))[0][r] = float(w[3])
     for l in open(f"{d}/m.{r + 1}"):
         w = l.split()
         if len(w) == 3 and w[0] in ("pair", "mixed"): row((w[0], w[1]))[1][r] = float(w[2])
