@@ -642,10 +642,14 @@ impl ThreadStats {
 
     /// The block whose slot word is `word` was filed (its free counted): if it was the
     /// deferred one, it is no longer.
-    /// Returns whether it was (false: its thread exited and its retirement counted the free,
-    /// see `absorb`).
-    pub(crate) fn undefer_taken(&self, word: u64) -> bool {
-        self.def_word.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed).is_ok()
+    pub(crate) fn undefer_taken(&self, word: u64) {
+        let _ = self.def_word.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+
+    /// Whether a deferred free is recorded (its block may be on its way to its free set: see
+    /// `Registry::retire`).
+    pub(crate) fn has_record(&self) -> bool {
+        self.def_word.load(Ordering::Acquire) != 0
     }
 
     /// Whether a census left the deferred block out since it was deferred (then reset).
@@ -867,36 +871,9 @@ impl ThreadStats {
             let t = self.total[e].load(Ordering::Relaxed) + other.total[e].load(Ordering::Relaxed);
             self.total[e].store(t, Ordering::Relaxed);
         }
-        // A deferred free still recorded: a drain took the block (its thread has exited, so
-        // nobody else would) and has not filed it yet. Counted here as its thread would have
-        // counted it when caching it (`on_cache`), the record cleared in the same step (under
-        // the members' lock, as sums read): the filing, finding no record, files it as a
-        // counted cached block. (Left to the filing, every sum between this retirement and
-        // the filing counted the block allocated.)
-        let w = other.def_word.swap(0, Ordering::AcqRel);
-        if w != 0 {
-            let v = other.def_size.load(Ordering::Relaxed);
-            let (small, split) = (v & DEF_SMALL != 0, v & DEF_SPLIT != 0);
-            let size = (v & !(DEF_SMALL | DEF_SPLIT)) as i64;
-            let req = other.def_req.load(Ordering::Relaxed) as i64;
-            let (isn, isb) = if split { (1, size) } else { (0, 0) };
-            let moves = [
-                (ALLOCATION, -1),
-                (ALLOCATED_BYTES, -size),
-                (REQUESTED_BYTES, -req),
-                (ACTIVE, -1),
-                (ACTIVE_BYTES, -size),
-                (INACTIVE_SPLIT, isn),
-                (INACTIVE_SPLIT_BYTES, isb),
-            ];
-            for (s, n) in moves {
-                let e = s * 2 + !small as usize;
-                self.cur[e].store(self.cur[e].load(Ordering::Relaxed) + n, Ordering::Relaxed);
-                if n > 0 {
-                    self.total[e].store(self.total[e].load(Ordering::Relaxed) + n as u64, Ordering::Relaxed);
-                }
-            }
-        }
+        // A deferred free is counted by the filing of its block, before its thread retires
+        // (`Registry::retire` waits for the record to go): nothing of it is left to carry over.
+        debug_assert_eq!(other.def_word.load(Ordering::Acquire), 0, "retired with a deferred free recorded");
         for (a, b) in self.elided.iter().zip(&other.elided) {
             a.store(a.load(Ordering::Relaxed) + b.load(Ordering::Relaxed), Ordering::Relaxed);
         }
@@ -1043,11 +1020,16 @@ impl Board {
     /// The deferred blocks of pool `id` over threads: count, bytes, bytes asked for (what
     /// its counters hold as allocated but is free, cached).
     pub(crate) fn pool_deferred(&self, id: u64) -> [i64; 3] {
+        self.pool_deferred_marking(id, true)
+    }
+
+    /// The same, to read: `mark`, the threads are marked as left out of a new peak.
+    pub(crate) fn pool_deferred_marking(&self, id: u64, mark: bool) -> [i64; 3] {
         let m = lock_members(&self.members);
         let mut d = [0; 3];
         for t in m.iter() {
             let dt = t.deferred_in_pool(id);
-            if dt[0] != 0 {
+            if mark && dt[0] != 0 {
                 // Left out of a new pool peak: its reuse goes through the lock (see `census`).
                 t.def_clipped.store(true, Ordering::Relaxed);
             }
@@ -1180,6 +1162,17 @@ impl PoolCounters {
 
     /// The figures with `extra` elided allocations (count, bytes, bytes asked for) not yet
     /// added, for a report.
+    /// These counters less the pool's blocks threads hold as deferred frees (count, bytes,
+    /// bytes asked for): allocated here, but free (cached, or filed by a drain soon).
+    pub(crate) fn less_deferred(mut self, deferred: [i64; 3]) -> PoolCounters {
+        for (t, d) in
+            [&mut self.allocation, &mut self.allocated_bytes, &mut self.requested_bytes].into_iter().zip(deferred)
+        {
+            t.cur -= d;
+        }
+        self
+    }
+
     pub(crate) fn with_elided(&self, extra: [u64; 3]) -> PoolCounters {
         let mut c = self.clone();
         c.on_elided(extra[0], extra[1], extra[2]);

@@ -1403,7 +1403,12 @@ impl DeviceAllocator {
                 }
             }
         }
-        st.pools[slot.get()].stats.with_elided(others).report(active, inactive)
+        // Blocks of this pool still recorded as deferred frees: a drain (another thread's, under
+        // way) holds them on their way to the free set, or their threads cached them again
+        // since this call's drain; free, though the counters and the table count them allocated.
+        let deferred = self.caches.board.pool_deferred_marking(pool.id.0, false);
+        let active = active.saturating_sub(deferred[1] as usize);
+        st.pools[slot.get()].stats.with_elided(others).less_deferred(deferred).report(active, inactive)
     }
 
     pub(crate) fn reset_peak_stats(&self) {

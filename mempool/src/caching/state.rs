@@ -787,24 +787,22 @@ impl State {
             self.emit(Action::FreeCompleted, block);
         }
         if let Some(owner) = &c.uncounted {
+            // Cached blocks are never oversize.
+            self.sink.on_free_requested(small, size, requested, false);
+            self.sink.on_free_completed(small, size);
             let pool = self.block(block).pool;
             if pool != Slot::DEFAULT {
                 self.pools[pool.get()].stats.on_free_requested(size, requested);
             }
-            // Its owner's record of it goes (under this lock, which sums and pool censuses take
-            // too: none sees the record gone and the free not counted), and the free is counted.
-            // No record: its thread exited, and its retirement counted this free as a cached
-            // block's (`ThreadStats::absorb`); it is filed as one below.
-            if owner.undefer_taken(c.word()) {
-                // Cached blocks are never oversize.
-                self.sink.on_free_requested(small, size, requested, false);
-                self.sink.on_free_completed(small, size);
-                // Committed, so that an allocation after it checks the peaks (a census may
-                // have left this block out while it waited).
-                self.sink.commit_kind(small);
-                self.file_free(block, (0, 0));
-                return;
-            }
+            // Counted: its owner's record of it goes (under this lock, which sums take too),
+            // and the decrease is committed, so that an allocation after it checks the peaks (a
+            // census may have left this block out while it waited). (The record goes last: a
+            // census between the two, which takes no allocator lock, reads the block freed
+            // twice, a value too low, never one too high.)
+            owner.undefer_taken(c.word());
+            self.sink.commit_kind(small);
+            self.file_free(block, (0, 0));
+            return;
         }
         if c.split {
             // It is filed below as any freed block, which counts the merged block as
