@@ -625,15 +625,6 @@ impl ThreadStats {
         [1, size, self.def_req.load(Ordering::Relaxed) as i64]
     }
 
-    /// Whether no deferred free is recorded (read by its thread, after settling its own: a
-    /// record left is that of a block a drain took and has not filed yet). Acquire: the
-    /// filing's clear happens before the next record is written, so a sum that read the old
-    /// word never reads the new record's figures.
-    #[inline(always)]
-    pub(crate) fn record_clear(&self) -> bool {
-        self.def_word.load(Ordering::Acquire) == 0
-    }
-
     /// The deferred free is settled (counted, or cancelled by a reuse): by its thread.
     #[inline(always)]
     pub(crate) fn undefer(&self) {
@@ -646,8 +637,11 @@ impl ThreadStats {
         let _ = self.def_word.compare_exchange(word, 0, Ordering::AcqRel, Ordering::Relaxed);
     }
 
-    /// Whether a deferred free is recorded (its block may be on its way to its free set: see
-    /// `Registry::retire`).
+    /// Whether a deferred free is recorded: read by its thread after settling its own (a record
+    /// left is that of a block a drain took and has not filed yet, see `Owner::put`), or for an
+    /// exited thread (`Registry::retire`). Acquire: the filing's clear happens before the next
+    /// record is written, so a sum that read the old word never reads the new record's figures.
+    #[inline(always)]
     pub(crate) fn has_record(&self) -> bool {
         self.def_word.load(Ordering::Acquire) != 0
     }

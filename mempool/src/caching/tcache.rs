@@ -559,7 +559,7 @@ impl Owner {
         // Not while the record of a deferred free is still set: a drain took that block and has
         // not filed it yet (the filing clears the record); replaced now, sums would count the
         // block in flight as allocated.
-        let defer = self.defer_wait == 0 && self.shared.stats.record_clear();
+        let defer = self.defer_wait == 0 && !self.shared.stats.has_record();
         if pool.id != PoolId::DEFAULT {
             // Only as a deferred free, and while this thread's elided pool allocations are of
             // this pool or none (they are added to their pool at its next locked call).
