@@ -1,6 +1,6 @@
 //! Memory statistics, with the names and meaning of `torch.cuda.memory_stats()`.
 
-use crate::sync::{Arc, AtomicBool, AtomicI64, AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{fence, Arc, AtomicBool, AtomicI64, AtomicU64, Mutex, MutexGuard, Ordering};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -397,6 +397,26 @@ impl SetGens {
     }
 }
 
+/// A reader's wait for a thread to finish a step (see `ThreadStats::seq`; a few stores, but
+/// its thread may be switched out inside): a short spin, then yields, then short sleeps (a
+/// real-time reader on the writer's processor must let it run).
+#[cold]
+fn wait_a_little(spins: u32) {
+    #[cfg(loom)]
+    {
+        let _ = spins;
+        loom::thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    if spins < 64 {
+        std::hint::spin_loop();
+    } else if spins < 80 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(std::time::Duration::from_micros(1 << (spins - 80).min(10)));
+    }
+}
+
 fn lock_members(m: &Mutex<Vec<Arc<ThreadStats>>>) -> MutexGuard<'_, Vec<Arc<ThreadStats>>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -445,6 +465,12 @@ pub(crate) struct ThreadStats {
     /// every peak (a rise back within its own committed value would otherwise pass a peak
     /// unseen). Once per thread per reset.
     recheck: AtomicBool,
+    /// Odd while its thread is inside a step that moves its record and its counters together
+    /// (`settle_record`): readers of other threads' counters (a census, a sum) read again
+    /// until they saw it even and unchanged around their reads, so they never see the record
+    /// gone and the counters not yet moved (the block counted allocated as well as free).
+    /// No commit (so no census, which takes the members' lock) inside a step.
+    seq: AtomicU64,
 }
 
 /// Fields of `ThreadStats::elided` per kind.
@@ -468,6 +494,7 @@ impl Default for ThreadStats {
             elided: std::array::from_fn(|_| AtomicU64::new(0)),
             def_hits: AtomicU64::new(0),
             recheck: AtomicBool::new(false),
+            seq: AtomicU64::new(0),
         }
     }
 }
@@ -629,6 +656,72 @@ impl ThreadStats {
     #[inline(always)]
     pub(crate) fn undefer(&self) {
         self.def_word.store(0, Ordering::Release);
+    }
+
+    /// Its thread counts the free of its deferred block, cached (as `undefer` then `on_cache`),
+    /// in one step for readers (see `seq`); the commits follow the step.
+    #[inline(never)]
+    pub(crate) fn settle_record(
+        &self,
+        board: &Board,
+        slack: i64,
+        small: bool,
+        size: usize,
+        requested: usize,
+        split: bool,
+    ) {
+        let k = !small as usize;
+        let sz = size as i64;
+        let moves = [
+            (ALLOCATION, -1),
+            (ALLOCATED_BYTES, -sz),
+            (REQUESTED_BYTES, -(requested as i64)),
+            (ACTIVE, -1),
+            (ACTIVE_BYTES, -sz),
+            (INACTIVE_SPLIT, 1),
+            (INACTIVE_SPLIT_BYTES, sz),
+        ];
+        let moves = &moves[..if split { 7 } else { 5 }];
+        let q = self.seq.load(Ordering::Relaxed);
+        self.seq.store(q.wrapping_add(1), Ordering::Relaxed);
+        // The odd number is seen by any reader that sees a store below.
+        fence(Ordering::Release);
+        self.def_word.store(0, Ordering::Release);
+        for &(c, n) in moves {
+            let e = c * 2 + k;
+            self.cur[e].store(self.cur[e].load(Ordering::Relaxed) + n, Ordering::Relaxed);
+            if n > 0 {
+                self.total[e].store(self.total[e].load(Ordering::Relaxed) + n as u64, Ordering::Relaxed);
+            }
+        }
+        self.seq.store(q.wrapping_add(2), Ordering::Release);
+        for &(c, _) in moves {
+            let e = c * 2 + k;
+            let (cur, com) = (self.cur[e].load(Ordering::Relaxed), self.committed[e].load(Ordering::Relaxed));
+            let slack = if is_bytes(c) { slack } else { COUNT_SLACK };
+            if cur > com || com - cur > slack {
+                self.commit(board, e);
+            }
+        }
+    }
+
+    /// `read` of this thread's counters as of one moment between its steps (see `seq`): by
+    /// another thread, or by its own between steps (then at once).
+    #[inline]
+    fn read<T>(&self, read: impl Fn() -> T) -> T {
+        let mut spins = 0u32;
+        loop {
+            let q = self.seq.load(Ordering::Acquire);
+            if q & 1 == 0 {
+                let v = read();
+                fence(Ordering::Acquire);
+                if self.seq.load(Ordering::Relaxed) == q {
+                    return v;
+                }
+            }
+            spins += 1;
+            wait_a_little(spins);
+        }
     }
 
     /// The block whose slot word is `word` was filed (its free counted): if it was the
@@ -877,8 +970,21 @@ impl ThreadStats {
         }
     }
 
-    /// Adds the current values and totals into `sum` (public entries).
+    /// Adds the current values and totals into `sum` (public entries), as of one moment
+    /// between its thread's steps.
     pub(crate) fn add_into(&self, sum: &mut Sum) {
+        let mine = self.read(|| {
+            let mut s = Sum::default();
+            self.add_into_now(&mut s);
+            s
+        });
+        for i in 0..N {
+            sum.cur[i] += mine.cur[i];
+            sum.total[i] += mine.total[i];
+        }
+    }
+
+    fn add_into_now(&self, sum: &mut Sum) {
         // The deferred record's take-backs not yet in `elided`.
         let (dk, df) = self.def_hits_figures();
         for e in 0..M {
@@ -904,8 +1010,12 @@ impl ThreadStats {
         }
     }
 
-    /// Public entry `i` of this thread now.
-    fn current(&self, i: usize) -> i64 {
+    /// Public entry `i` of this thread now (between its steps).
+    pub(crate) fn current(&self, i: usize) -> i64 {
+        self.read(|| self.current_now(i))
+    }
+
+    fn current_now(&self, i: usize) -> i64 {
         let (s, k) = (i / 3, i % 3);
         let at = |e: usize| self.cur[e].load(Ordering::Relaxed);
         let c = match k {

@@ -457,8 +457,7 @@ impl Owner {
             return 0;
         }
         if s.compare_exchange(word, word & !UNCOUNTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            self.shared.stats.undefer();
-            self.shared.stats.on_cache(board, self.slack, m.small, m.size, m.requested, word & 1 == 1);
+            self.shared.stats.settle_record(board, self.slack, m.small, m.size, m.requested, word & 1 == 1);
             if self.shared.stats.take_clipped() {
                 // A peak census left this block out (the peak is below the committed sum, which
                 // counted it): see `ThreadStats::settled_clipped`.
@@ -498,8 +497,7 @@ impl Owner {
                         self.spill.push(unpack(v, &self.shared.stats));
                         return None;
                     }
-                    self.shared.stats.undefer();
-                    self.shared.stats.on_cache(board, self.slack, hit.small, size, requested, split);
+                    self.shared.stats.settle_record(board, self.slack, hit.small, size, requested, split);
                     self.shared.stats.on_reuse(board, self.slack, hit.small, size, requested, split);
                     self.shared.stats.recheck_peaks(board, hit.small);
                 } else if uncounted {
@@ -1603,6 +1601,28 @@ mod loom_tests {
             reg.close(&mut left);
             assert!(left.iter().all(|c| c.uncounted.is_none()), "{left:?}");
             assert_eq!(left.len() + drained.len(), 1);
+            drop(own);
+        });
+    }
+
+    /// A sum read while the owner settles its deferred free sees the record, or the free
+    /// counted, never neither (the block counted allocated as well as cached: see
+    /// `ThreadStats::seq`).
+    #[test]
+    fn a_sum_never_sees_a_settle_half_done() {
+        model(|| {
+            let (reg, mut own, board) = setup();
+            assert!(own.put(&board, StreamKey(7), 512, &a(0, 512, 0x1000, true)));
+            assert!(own.deferred != 0, "the first free is deferred");
+            // A census's read of the owner (a whole sum reads too many atomics to explore).
+            let stats = own.shared.stats.clone();
+            let reader = loom::thread::spawn(move || stats.current(crate::stats::ALLOCATION * 3));
+            assert!(own.settle(&board).is_none(), "a default-pool block stays cached");
+            // The allocation itself was never counted here: its free makes -1.
+            assert_eq!(reader.join().unwrap(), -1);
+            let mut left = Vec::new();
+            reg.close(&mut left);
+            assert_eq!(left.len(), 1);
             drop(own);
         });
     }
