@@ -471,6 +471,10 @@ pub(crate) struct ThreadStats {
     /// gone and the counters not yet moved (the block counted allocated as well as free).
     /// No commit (so no census, which takes the members' lock) inside a step.
     seq: AtomicU64,
+    /// The process's fork generation when its thread last entered a step: a reader in a child
+    /// process reads at once a number left odd by a thread of the parent (which does not exist
+    /// there, so would never finish its step).
+    seq_gen: AtomicU64,
 }
 
 /// Fields of `ThreadStats::elided` per kind.
@@ -495,6 +499,7 @@ impl Default for ThreadStats {
             def_hits: AtomicU64::new(0),
             recheck: AtomicBool::new(false),
             seq: AtomicU64::new(0),
+            seq_gen: AtomicU64::new(0),
         }
     }
 }
@@ -682,8 +687,13 @@ impl ThreadStats {
             (INACTIVE_SPLIT_BYTES, sz),
         ];
         let moves = &moves[..if split { 7 } else { 5 }];
+        let gen = crate::caching::fork_generation();
+        if self.seq_gen.load(Ordering::Relaxed) != gen {
+            self.seq_gen.store(gen, Ordering::Relaxed);
+        }
         let q = self.seq.load(Ordering::Relaxed);
-        self.seq.store(q.wrapping_add(1), Ordering::Relaxed);
+        // Release: a reader that reads the odd number reads this step's `seq_gen`.
+        self.seq.store(q.wrapping_add(1), Ordering::Release);
         // The odd number is seen by any reader that sees a store below.
         fence(Ordering::Release);
         self.def_word.store(0, Ordering::Release);
@@ -712,7 +722,9 @@ impl ThreadStats {
         let mut spins = 0u32;
         loop {
             let q = self.seq.load(Ordering::Acquire);
-            if q & 1 == 0 {
+            if q & 1 == 0 || self.seq_gen.load(Ordering::Relaxed) != crate::caching::fork_generation() {
+                // (Odd in another generation: a thread of the parent process, caught inside a
+                // step by a fork; its counters are read as they are.)
                 let v = read();
                 fence(Ordering::Acquire);
                 if self.seq.load(Ordering::Relaxed) == q {
@@ -1530,6 +1542,42 @@ impl MemoryStats {
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+
+    /// A reader of another thread's counters waits while that thread is inside a step (its
+    /// sequence number odd in this process's generation), and reads once it is out.
+    #[test]
+    fn a_reader_waits_for_a_step_to_end() {
+        let t = Arc::new(ThreadStats::default());
+        t.seq_gen.store(crate::caching::fork_generation(), Ordering::Relaxed);
+        t.seq.store(1, Ordering::Release);
+        t.cur[ALLOCATION * 2].store(5, Ordering::Relaxed);
+        let (t2, done) = (t.clone(), Arc::new(AtomicBool::new(false)));
+        let d2 = done.clone();
+        let reader = std::thread::spawn(move || {
+            let v = t2.current(ALLOCATION * 3);
+            d2.store(true, Ordering::Release);
+            v
+        });
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!done.load(Ordering::Acquire), "read inside a step");
+        t.cur[ALLOCATION * 2].store(4, Ordering::Relaxed);
+        t.seq.store(2, Ordering::Release);
+        assert_eq!(reader.join().unwrap(), 4);
+    }
+
+    /// A number left odd by a thread of the parent process (another fork generation: that
+    /// thread does not exist in a child) is read through, not waited on for ever.
+    #[test]
+    fn a_step_left_open_by_a_parents_thread_is_read_through() {
+        let t = ThreadStats::default();
+        t.seq_gen.store(crate::caching::fork_generation().wrapping_add(1), Ordering::Relaxed);
+        t.seq.store(7, Ordering::Release);
+        t.cur[ALLOCATION * 2].store(3, Ordering::Relaxed);
+        assert_eq!(t.current(ALLOCATION * 3), 3);
+        let mut sum = Sum::default();
+        t.add_into(&mut sum);
+        assert_eq!(sum.cur[ALLOCATION * 3], 3);
+    }
 
     /// Exited threads' elided pool allocations keep one entry per pool (found by the hostile
     /// review: one per thread piled up until someone read the pool's statistics), and a

@@ -63,9 +63,10 @@ pub(super) fn fast() -> bool {
     MODE.load(Ordering::Relaxed) == ON
 }
 
-/// The fork generation an owner writes into `busy` (never 0).
+/// The fork generation an owner writes into `busy` (never 0): one more in each child, once a
+/// cache was made (`init`; where the handler cannot be registered, always 1).
 #[inline(always)]
-pub(super) fn generation() -> u64 {
+pub(crate) fn generation() -> u64 {
     GEN.load(Ordering::Relaxed)
 }
 
@@ -138,6 +139,11 @@ pub(super) fn wait_while(busy: impl Fn() -> bool) {
 
 #[cfg(all(target_os = "linux", not(loom), not(miri)))]
 fn register() -> bool {
+    // The fork generation counts in every mode: a reader of the statistics needs it too (a
+    // thread of the parent caught inside a step, `ThreadStats::seq`).
+    // SAFETY: registers a child handler that only adds to an atomic (async-signal-safe, as a
+    // fork child handler must be); the function lives as long as the program.
+    let counted = unsafe { libc::pthread_atfork(None, None, Some(forked)) } == 0;
     if std::env::var_os("MEMPOOL_NO_MEMBARRIER").is_some() {
         return false;
     }
@@ -146,9 +152,7 @@ fn register() -> bool {
         && supported & i64::from(PRIVATE_EXPEDITED) != 0
         && supported & i64::from(REGISTER_PRIVATE_EXPEDITED) != 0
         && membarrier(REGISTER_PRIVATE_EXPEDITED) == 0;
-    // SAFETY: registers a child handler that only adds to an atomic (async-signal-safe, as a
-    // fork child handler must be); the function lives as long as the program.
-    ok && unsafe { libc::pthread_atfork(None, None, Some(forked)) } == 0
+    ok && counted
 }
 
 #[cfg(all(target_os = "linux", not(loom), not(miri)))]
