@@ -1637,19 +1637,22 @@ mod loom_tests {
             for _ in 0..2 {
                 let own = reg.make();
                 let r = reg.clone();
+                // One counter (the inactive-split count): its commits and censuses race; two
+                // counters (count and bytes) made the model too large to explore within CI's
+                // time once censuses read each thread's sequence number.
                 handles.push(loom::thread::spawn(move || {
-                    own.stats().on_inactive_split(&r.board, MIN_BYTE_SLACK, true, 512, true);
-                    own.stats().on_inactive_split(&r.board, MIN_BYTE_SLACK, true, 512, false);
+                    own.stats().on_inactive_delta(&r.board, MIN_BYTE_SLACK, true, 1, 0);
+                    own.stats().on_inactive_delta(&r.board, MIN_BYTE_SLACK, true, -1, 0);
                     own
                 }));
             }
             let owners: Vec<Owner> = handles.into_iter().map(|h| h.join().unwrap()).collect();
             let sum = reg.sum();
             let stats = crate::stats::Counters::default().report(&sum, &reg.board, usize::MAX);
-            let (count, bytes) = (stats.inactive_split.all, stats.inactive_split_bytes.all);
-            assert_eq!((count.current, bytes.current, count.allocated), (0, 0, 2));
+            let count = stats.inactive_split.all;
+            assert_eq!((count.current, count.allocated), (0, 2));
             // One or both at once: never below one, never above both.
-            assert!((512..=1024).contains(&bytes.peak), "{}", bytes.peak);
+            assert!((1..=2).contains(&count.peak), "{}", count.peak);
             drop(owners);
         });
     }
