@@ -11,3 +11,19 @@ pub(crate) use loom::sync::{Arc, Mutex, MutexGuard};
 pub(crate) use std::sync::atomic::{fence, AtomicBool, AtomicI64, AtomicU64, Ordering};
 #[cfg(not(loom))]
 pub(crate) use std::sync::{Arc, Mutex, MutexGuard};
+
+/// This process's fork generation: 1 in the first process, more in each child once a thread
+/// cache was made (a `pthread_atfork` child handler, registered by `caching::asym`, counts
+/// it). Plain std atomics under loom too: a process-wide fact, not part of a model.
+static FORK_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+#[inline(always)]
+pub(crate) fn fork_generation() -> u64 {
+    FORK_GENERATION.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// A fork child's handler: one generation more (an atomic add, async-signal-safe).
+#[allow(dead_code)] // (not on targets without `pthread_atfork`, nor under loom or Miri)
+pub(crate) fn count_fork() {
+    FORK_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}

@@ -37,7 +37,7 @@
 //! `tests/review_asym.rs` run owners and drainers against each other in both modes, across
 //! `fork` and a seccomp filter, and fail when the owner's check is removed.)
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 /// The wait of drains after a refused `membarrier` (see the module).
@@ -53,8 +53,6 @@ const ON: u8 = 2;
 const REFUSED: u8 = 3;
 /// When the mode was turned off after a refusal.
 static OFF_SINCE: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-/// This process's fork generation (1 in the first process; one more in each child).
-static GEN: AtomicU64 = AtomicU64::new(1);
 
 /// Whether owners take with plain accesses (read on every take: one load of a line nobody
 /// writes).
@@ -66,8 +64,8 @@ pub(super) fn fast() -> bool {
 /// The fork generation an owner writes into `busy` (never 0): one more in each child, once a
 /// cache was made (`init`; where the handler cannot be registered, always 1).
 #[inline(always)]
-pub(crate) fn generation() -> u64 {
-    GEN.load(Ordering::Relaxed)
+pub(super) fn generation() -> u64 {
+    crate::sync::fork_generation()
 }
 
 /// Decides the mode, once per process, before any cache is made (`Registry::make` calls it):
@@ -157,7 +155,7 @@ fn register() -> bool {
 
 #[cfg(all(target_os = "linux", not(loom), not(miri)))]
 extern "C" fn forked() {
-    GEN.fetch_add(1, Ordering::Relaxed);
+    crate::sync::count_fork();
 }
 
 #[cfg(not(all(target_os = "linux", not(loom), not(miri))))]

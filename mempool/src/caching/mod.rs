@@ -23,7 +23,6 @@
 //! (unless another thread was delivering at that moment; it then delivers it).
 
 mod asym;
-pub(crate) use asym::generation as fork_generation;
 mod background;
 mod bias;
 mod capture;
