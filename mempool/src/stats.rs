@@ -1170,6 +1170,16 @@ impl Board {
         drop(m);
     }
 
+    /// Held while a filer counts the free of another thread's deferred block (in its own
+    /// counters) and clears that thread's record: two threads' counters, which censuses and
+    /// sums (reading under this lock, one thread after the other) then see both moved or
+    /// neither. (Without it, a census that read the filer before its count and the owner
+    /// after the clear counted the block allocated twice: `review12.rs::c2_…`, once in 5,665
+    /// reads on the GPU machine.) No census runs inside: a free commits no rise.
+    pub(crate) fn filing(&self) -> MutexGuard<'_, Vec<Arc<ThreadStats>>> {
+        lock_members(&self.members)
+    }
+
     /// The deferred blocks of pool `id` over threads: count, bytes, bytes asked for (what
     /// its counters hold as allocated but is free, cached).
     pub(crate) fn pool_deferred(&self, id: u64) -> [i64; 3] {

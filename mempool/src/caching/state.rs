@@ -787,19 +787,21 @@ impl State {
             self.emit(Action::FreeCompleted, block);
         }
         if let Some(owner) = &c.uncounted {
-            // Cached blocks are never oversize.
-            self.sink.on_free_requested(small, size, requested, false);
-            self.sink.on_free_completed(small, size);
+            // Counted, and its owner's record of it goes, in one step for censuses and sums
+            // (`Board::filing`); then the decrease is committed, so that an allocation after
+            // it checks the peaks (a census may have left this block out while it waited).
+            let board = self.sink.board().clone();
+            {
+                let _both = board.filing();
+                // Cached blocks are never oversize.
+                self.sink.on_free_requested(small, size, requested, false);
+                self.sink.on_free_completed(small, size);
+                owner.undefer_taken(c.word());
+            }
             let pool = self.block(block).pool;
             if pool != Slot::DEFAULT {
                 self.pools[pool.get()].stats.on_free_requested(size, requested);
             }
-            // Counted: its owner's record of it goes (under this lock, which sums take too),
-            // and the decrease is committed, so that an allocation after it checks the peaks (a
-            // census may have left this block out while it waited). (The record goes last: a
-            // census between the two, which takes no allocator lock, reads the block freed
-            // twice, a value too low, never one too high.)
-            owner.undefer_taken(c.word());
             self.sink.commit_kind(small);
             self.file_free(block, (0, 0));
             return;
