@@ -516,12 +516,26 @@ impl ThreadStats {
     #[inline(always)]
     fn change(&self, board: &Board, s: usize, small: bool, n: i64, byte_slack: i64) {
         let e = s * 2 + !small as usize;
+        let c = self.apply(e, n);
+        self.commit_if_due(board, s, e, c, byte_slack);
+    }
+
+    /// Moves entry `e` by `n` (its total too, for a rise): the new value.
+    #[inline(always)]
+    fn apply(&self, e: usize, n: i64) -> i64 {
         let c = self.cur[e].load(Ordering::Relaxed) + n;
         self.cur[e].store(c, Ordering::Relaxed);
         if n > 0 {
             let t = self.total[e].load(Ordering::Relaxed) + n as u64;
             self.total[e].store(t, Ordering::Relaxed);
         }
+        c
+    }
+
+    /// Commits entry `e` (of counter `s`, now `c`) if it rose above its committed value or fell
+    /// more than its slack below.
+    #[inline(always)]
+    fn commit_if_due(&self, board: &Board, s: usize, e: usize, c: i64, byte_slack: i64) {
         let k = self.committed[e].load(Ordering::Relaxed);
         let slack = if is_bytes(s) { byte_slack } else { COUNT_SLACK };
         if c > k || k - c > slack {
@@ -721,20 +735,12 @@ impl ThreadStats {
         let q = self.step_begin();
         self.def_word.store(0, Ordering::Release);
         for &(c, n) in moves {
-            let e = c * 2 + k;
-            self.cur[e].store(self.cur[e].load(Ordering::Relaxed) + n, Ordering::Relaxed);
-            if n > 0 {
-                self.total[e].store(self.total[e].load(Ordering::Relaxed) + n as u64, Ordering::Relaxed);
-            }
+            self.apply(c * 2 + k, n);
         }
         self.step_end(q);
         for &(c, _) in moves {
             let e = c * 2 + k;
-            let (cur, com) = (self.cur[e].load(Ordering::Relaxed), self.committed[e].load(Ordering::Relaxed));
-            let slack = if is_bytes(c) { slack } else { COUNT_SLACK };
-            if cur > com || com - cur > slack {
-                self.commit(board, e);
-            }
+            self.commit_if_due(board, c, e, self.cur[e].load(Ordering::Relaxed), slack);
         }
     }
 
