@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use common::check_invariants;
+use common::{check_invariants, Rng};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Buffer, MemPool, MemoryStats, PoolOptions, Sim};
 
@@ -28,16 +28,6 @@ fn spin_for(d: Duration) {
     let t = Instant::now();
     while t.elapsed() < d {
         std::hint::spin_loop();
-    }
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
     }
 }
 
