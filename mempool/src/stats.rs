@@ -397,26 +397,6 @@ impl SetGens {
     }
 }
 
-/// A reader's wait for a thread to finish a step (see `ThreadStats::seq`; a few stores, but
-/// its thread may be switched out inside): a short spin, then yields, then short sleeps (a
-/// real-time reader on the writer's processor must let it run).
-#[cold]
-fn wait_a_little(spins: u32) {
-    #[cfg(loom)]
-    {
-        let _ = spins;
-        loom::thread::yield_now();
-    }
-    #[cfg(not(loom))]
-    if spins < 64 {
-        std::hint::spin_loop();
-    } else if spins < 80 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(std::time::Duration::from_micros(1 << (spins - 80).min(10)));
-    }
-}
-
 fn lock_members(m: &Mutex<Vec<Arc<ThreadStats>>>) -> MutexGuard<'_, Vec<Arc<ThreadStats>>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -765,7 +745,8 @@ impl ThreadStats {
                 continue;
             }
             spins += 1;
-            wait_a_little(spins);
+            // (A step is a few stores, but its thread may be switched out inside.)
+            crate::sync::back_off(spins);
         }
     }
 

@@ -27,3 +27,25 @@ pub(crate) fn fork_generation() -> u64 {
 pub(crate) fn count_fork() {
     FORK_GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
 }
+
+/// The `spins`-th wait (from 1) for another thread that is inside a few instructions but may
+/// be switched out there: a short spin, a few yields, then sleeps from 1 us doubling to 1 ms.
+/// Not yields alone: a yield gives the processor only to threads of the caller's priority, so a
+/// real-time waiter on the other thread's processor would spin until the kernel throttled it.
+/// (Under loom, a yield: its models must let the other thread run.)
+#[cold]
+pub(crate) fn back_off(spins: u32) {
+    #[cfg(loom)]
+    {
+        let _ = spins;
+        loom::thread::yield_now();
+    }
+    #[cfg(not(loom))]
+    if spins < 64 {
+        std::hint::spin_loop();
+    } else if spins < 80 {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(std::time::Duration::from_micros(1 << (spins - 80).min(10)));
+    }
+}

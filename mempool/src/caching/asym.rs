@@ -118,20 +118,12 @@ pub(super) fn fence() {
 }
 
 /// Waits while `busy()` (a thread inside its few plain-access instructions, switched out
-/// there perhaps): a short spin, a few yields, then sleeps from 1 us doubling to 1 ms. Not
-/// yields alone: a yield gives the processor only to threads of the caller's priority, so a
-/// real-time waiter on the busy thread's processor would spin until the kernel throttled it.
+/// there perhaps), backing off as [`crate::sync::back_off`] does.
 pub(super) fn wait_while(busy: impl Fn() -> bool) {
     let mut spins = 0u32;
     while busy() {
         spins += 1;
-        if spins < 64 {
-            std::hint::spin_loop();
-        } else if spins < 80 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(Duration::from_micros(1 << (spins - 80).min(10)));
-        }
+        crate::sync::back_off(spins);
     }
 }
 
