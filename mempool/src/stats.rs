@@ -397,8 +397,47 @@ impl SetGens {
     }
 }
 
-fn lock_members(m: &Mutex<Vec<Arc<ThreadStats>>>) -> MutexGuard<'_, Vec<Arc<ThreadStats>>> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
+/// The members' lock, held: its thread may not take it again (a census or a sum inside a
+/// filing would wait for ever on itself). Debug builds check that rule on every take.
+pub(crate) struct Members<'a> {
+    guard: MutexGuard<'a, Vec<Arc<ThreadStats>>>,
+}
+
+#[cfg(all(debug_assertions, not(loom)))]
+std::thread_local! {
+    /// Whether this thread holds a members' lock (of any board: none is taken inside another).
+    static HOLDS_MEMBERS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl std::ops::Deref for Members<'_> {
+    type Target = Vec<Arc<ThreadStats>>;
+    fn deref(&self) -> &Self::Target {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Members<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.guard
+    }
+}
+
+impl Drop for Members<'_> {
+    fn drop(&mut self) {
+        #[cfg(all(debug_assertions, not(loom)))]
+        let _ = HOLDS_MEMBERS.try_with(|h| h.set(false));
+    }
+}
+
+fn lock_members(m: &Mutex<Vec<Arc<ThreadStats>>>) -> Members<'_> {
+    #[cfg(all(debug_assertions, not(loom)))]
+    let _ = HOLDS_MEMBERS.try_with(|h| {
+        assert!(
+            !h.replace(true),
+            "a members' lock taken by the thread that holds one (a census or sum inside a filing?)"
+        )
+    });
+    Members { guard: m.lock().unwrap_or_else(|p| p.into_inner()) }
 }
 
 /// One thread's block-side counters (see the comment above [`ALLOCATION`]). Written by their
@@ -1163,7 +1202,9 @@ impl Board {
     /// neither. (Without it, a census that read the filer before its count and the owner
     /// after the clear counted the block allocated twice: `review12.rs::c2_…`, once in 5,665
     /// reads on the GPU machine.) No census runs inside: a free commits no rise.
-    pub(crate) fn filing(&self) -> MutexGuard<'_, Vec<Arc<ThreadStats>>> {
+    /// Debug builds panic where a thread holding it would take it again (a census or a sum
+    /// inside: see `lock_members`).
+    pub(crate) fn filing(&self) -> Members<'_> {
         lock_members(&self.members)
     }
 
@@ -1652,5 +1693,29 @@ mod tests {
         assert_eq!(board.pool_elided(7, &mut retired), [0; 3], "no live thread holds any");
         assert_eq!(retired, vec![[7, 1, 500, 500 * 4096, 500 * 4000]]);
         assert!(board.retired_pools.lock().unwrap().is_empty(), "taken by the reader");
+    }
+}
+
+#[cfg(all(test, debug_assertions, not(loom)))]
+mod members_tests {
+    use super::*;
+
+    /// The filing's rule (no census or sum inside it) fails loudly in debug builds instead of
+    /// waiting for ever on the thread's own lock.
+    #[test]
+    #[should_panic(expected = "a members' lock taken by the thread that holds one")]
+    fn a_sum_inside_a_filing_panics_in_debug_builds() {
+        let board = Board::default();
+        let _filing = board.filing();
+        let _ = board.pool_deferred(1);
+    }
+
+    /// The flag goes with the lock: a filing, then a sum, then a filing again.
+    #[test]
+    fn the_members_lock_is_taken_again_once_let_go() {
+        let board = Board::default();
+        drop(board.filing());
+        assert_eq!(board.pool_deferred(1), [0; 3]);
+        drop(board.filing());
     }
 }
