@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
+use common::procs::{fork_and_wait, Ended};
 use common::{check_invariants, Rng};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Buffer, MemPool, MemoryStats, PoolOptions, Sim};
@@ -248,27 +249,26 @@ fn probe_c_fork_children_never_hang_on_a_step_left_open() {
     for _ in 0..iters(300) {
         // SAFETY: the child calls the allocator (no lock of it is held by the worker, whose
         // calls are cache hits or settles between its rare locked calls; a fork inside one
-        // is possible and would show as a hang too) and async-signal-safe alarm/_exit.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            // SAFETY: `alarm` only arms a timer for this (child) process.
-            unsafe { libc::alarm(3) };
-            std::panic::set_hook(Box::new(|_| {}));
-            let s = a.memory_stats();
-            let snap = a.snapshot();
-            let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| common::check_stats(&snap, &s))).is_ok();
-            // SAFETY: ends the child at once, running no destructor of the parent's state.
-            unsafe { libc::_exit(if ok { 0 } else { 7 }) };
-        }
-        assert!(pid > 0);
+        // is possible and would show as a hang too).
+        let ended = unsafe {
+            fork_and_wait(3, || {
+                std::panic::set_hook(Box::new(|_| {}));
+                let s = a.memory_stats();
+                let snap = a.snapshot();
+                let ok =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| common::check_stats(&snap, &s))).is_ok();
+                if ok {
+                    0
+                } else {
+                    7
+                }
+            })
+        };
         forks += 1;
-        let mut st = 0;
-        // SAFETY: waits for our child.
-        unsafe { libc::waitpid(pid, &mut st, 0) };
-        if libc::WIFSIGNALED(st) && libc::WTERMSIG(st) == libc::SIGALRM {
-            hung += 1;
-        } else if libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 7 {
-            off += 1;
+        match ended {
+            Ended::Hung => hung += 1,
+            Ended::Exited(7) => off += 1,
+            _ => {}
         }
     }
     stop.store(true, Ordering::Relaxed);

@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::procs::{child_result as result, first_call_on_a_thread, pin_to_cpu0, run_test_child};
+use common::procs::{
+    child_result as result, first_call_on_a_thread, fork_and_wait, pin_to_cpu0, run_test_child, Ended,
+};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Sim};
 
@@ -183,18 +185,13 @@ fn held_forks_in_every_window_and_racing_threads() {
                 let mut bad = 0;
                 for _ in 0..3 {
                     // SAFETY: the grandchild calls the allocator under an alarm, as above.
-                    let g = unsafe { libc::fork() };
-                    if g == 0 {
-                        // SAFETY: alarm and _exit in the grandchild.
-                        unsafe { libc::alarm(3) };
-                        drop(b.alloc::<u8>(512).unwrap());
-                        // SAFETY: as above.
-                        unsafe { libc::_exit(0) };
-                    }
-                    let mut st = 0;
-                    // SAFETY: waits for our child.
-                    unsafe { libc::waitpid(g, &mut st, 0) };
-                    if !libc::WIFEXITED(st) || libc::WEXITSTATUS(st) != 0 {
+                    let ended = unsafe {
+                        fork_and_wait(3, || {
+                            drop(b.alloc::<u8>(512).unwrap());
+                            0
+                        })
+                    };
+                    if ended != Ended::Exited(0) {
                         bad += 1;
                     }
                 }

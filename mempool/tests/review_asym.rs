@@ -16,7 +16,7 @@ use std::sync::{mpsc, Arc, Barrier, Mutex};
 use std::time::{Duration, Instant};
 
 use common::check_invariants;
-use common::procs::{child_result, first_call_on_a_thread, result_line, run_test_child};
+use common::procs::{child_result, first_call_on_a_thread, fork_and_wait, result_line, run_test_child, Ended};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, MemPool, PoolOptions, Sim};
 
@@ -325,22 +325,16 @@ fn a_fork_while_another_thread_decides_the_mode_leaves_the_child_working() {
         let (w, done) = first_call_on_a_thread(&a, 4096);
         let (mut hung, mut forks) = (0u32, 0u32);
         while !done.load(Ordering::SeqCst) && forks < 200 {
-            // SAFETY: the child calls only the allocator and async-signal-safe `alarm`/`_exit`.
-            let pid = unsafe { libc::fork() };
-            if pid == 0 {
-                // SAFETY: alarm and _exit in the child.
-                unsafe { libc::alarm(5) };
-                std::hint::black_box(b.memory_stats());
-                drop(b.alloc::<u8>(512).unwrap());
-                // SAFETY: as above.
-                unsafe { libc::_exit(0) };
-            }
-            assert!(pid > 0);
+            // SAFETY: the child calls only the allocator.
+            let ended = unsafe {
+                fork_and_wait(5, || {
+                    std::hint::black_box(b.memory_stats());
+                    drop(b.alloc::<u8>(512).unwrap());
+                    0
+                })
+            };
             forks += 1;
-            let mut st = 0;
-            // SAFETY: waits for our child.
-            unsafe { libc::waitpid(pid, &mut st, 0) };
-            if !libc::WIFEXITED(st) || libc::WEXITSTATUS(st) != 0 {
+            if ended != Ended::Exited(0) {
                 hung += 1;
             }
         }

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::procs::pin_to_cpu0;
+use common::procs::{fork_and_wait, pin_to_cpu0, Ended};
 use mempool::sim::SimDevice;
 use mempool::{Allocator, Config, Sim};
 
@@ -348,12 +348,7 @@ fn held_fork_with_a_biased_thread_outside_its_section() {
                 drop(a.alloc::<u8>(512).unwrap());
             }
         }
-        // SAFETY: the child calls the allocator (no lock of it is held: the worker is parked
-        // outside, the main thread is here) and async-signal-safe alarm / _exit.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            // SAFETY: as above.
-            unsafe { libc::alarm(3) };
+        let child = || {
             for _ in 0..3000 {
                 drop(a.alloc::<u8>(4096).unwrap());
             }
@@ -367,22 +362,18 @@ fn held_fork_with_a_biased_thread_outside_its_section() {
             };
             let s = a.memory_stats();
             let ok = s.allocation.all.current == 0 && s.allocation.all.allocated >= 3000;
-            // SAFETY: as above.
-            unsafe {
-                libc::_exit(if !ok {
-                    2
-                } else if mb != 0 {
-                    3
-                } else {
-                    0
-                })
-            };
-        }
-        assert!(pid > 0);
-        let mut st = 0;
-        // SAFETY: waits for our child.
-        unsafe { libc::waitpid(pid, &mut st, 0) };
-        assert!(libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0, "round {round}: child status {st:#x}");
+            if !ok {
+                2
+            } else if mb != 0 {
+                3
+            } else {
+                0
+            }
+        };
+        // SAFETY: the child calls the allocator (no lock of it is held: the worker is parked
+        // outside, the main thread is here) and the membarrier system call.
+        let ended = unsafe { fork_and_wait(3, child) };
+        assert_eq!(ended, Ended::Exited(0), "round {round}");
     }
     go.wait();
     w.join().unwrap();
@@ -460,21 +451,15 @@ fn fork_while_threads_exit_leaves_the_child_a_working_lock() {
             .collect();
         go.wait();
         for _ in 0..8 {
-            // SAFETY: the child calls the allocator and async-signal-safe alarm / _exit.
-            let pid = unsafe { libc::fork() };
-            if pid == 0 {
-                // SAFETY: as above.
-                unsafe { libc::alarm(1) };
-                drop(a.alloc::<u8>(512).unwrap());
-                // SAFETY: as above.
-                unsafe { libc::_exit(0) };
-            }
-            assert!(pid > 0);
+            // SAFETY: the child calls the allocator.
+            let ended = unsafe {
+                fork_and_wait(1, || {
+                    drop(a.alloc::<u8>(512).unwrap());
+                    0
+                })
+            };
             forks += 1;
-            let mut st = 0;
-            // SAFETY: waits for our child.
-            unsafe { libc::waitpid(pid, &mut st, 0) };
-            if libc::WIFSIGNALED(st) && libc::WTERMSIG(st) == libc::SIGALRM {
+            if ended == Ended::Hung {
                 hung += 1;
             }
         }

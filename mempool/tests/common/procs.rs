@@ -85,3 +85,47 @@ pub(crate) fn first_call_on_a_thread(
     }
     (w, done)
 }
+
+/// How a forked child ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ended {
+    /// It exited with this code.
+    Exited(i32),
+    /// Its alarm went off: it hung.
+    Hung,
+    /// Another signal ended it.
+    Signaled(i32),
+}
+
+/// Forks. The child arms an alarm of `alarm_secs` seconds, runs `body` and ends with the code
+/// `body` returns (101 if it panics: the child never runs on into its parent's test), running
+/// no destructor of the state it shares with its parent; the parent waits for it and says how
+/// it ended.
+///
+/// # Safety
+///
+/// The child of a multithreaded process may call only async-signal-safe functions and code
+/// that the test means to prove works there (the allocator's calls): `body` must keep to that.
+pub(crate) unsafe fn fork_and_wait(alarm_secs: u32, body: impl FnOnce() -> i32) -> Ended {
+    // SAFETY: the caller vouches for what the child runs; `alarm` and `_exit` are
+    // async-signal-safe.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: as above.
+        unsafe { libc::alarm(alarm_secs) };
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or(101);
+        // SAFETY: as above.
+        unsafe { libc::_exit(code) }
+    }
+    assert!(pid > 0, "fork failed: {}", std::io::Error::last_os_error());
+    let mut st = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(pid, &mut st, 0) };
+    if libc::WIFEXITED(st) {
+        Ended::Exited(libc::WEXITSTATUS(st))
+    } else if libc::WIFSIGNALED(st) && libc::WTERMSIG(st) == libc::SIGALRM {
+        Ended::Hung
+    } else {
+        Ended::Signaled(libc::WTERMSIG(st))
+    }
+}
