@@ -1694,15 +1694,11 @@ mod tests {
         assert_eq!(retired, vec![[7, 1, 500, 500 * 4096, 500 * 4000]]);
         assert!(board.retired_pools.lock().unwrap().is_empty(), "taken by the reader");
     }
-}
-
-#[cfg(all(test, debug_assertions, not(loom)))]
-mod members_tests {
-    use super::*;
 
     /// The filing's rule (no census or sum inside it) fails loudly in debug builds instead of
     /// waiting for ever on the thread's own lock.
     #[test]
+    #[cfg(debug_assertions)]
     #[should_panic(expected = "a members' lock taken by the thread that holds one")]
     fn a_sum_inside_a_filing_panics_in_debug_builds() {
         let board = Board::default();
