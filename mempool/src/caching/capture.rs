@@ -129,6 +129,7 @@ impl DeviceAllocator {
             let held = std::mem::take(&mut st.held_back);
             st.outbox.extend(held);
             st.release_cached(|p| p.released);
+            st.give_back_runs_after_capture();
         }
         self.unlock(st, true);
     }

@@ -14,7 +14,9 @@
 //! small pool, 20 MiB for the large one, as PyTorch maps them): `empty_cache`, the
 //! out-of-memory ladder and garbage collection unmap every run that lies wholly in free blocks
 //! (`unmap_free_runs`), after the hooks have seen its `SegmentUnmap` and the backend has
-//! waited for the segment's stream. In a pool whose blocks must not span two physical
+//! waited for the segment's stream. Runs a request mapped and did not take (its map failed
+//! partway, or its pool was released meanwhile) are unmapped at once, or when the last graph
+//! capture ends (`give_back_runs`). In a pool whose blocks must not span two physical
 //! allocations (`merge_runs` off: NCCL before 2.29.2 registers one physical allocation per
 //! buffer), each growth is one run and one segment of its own, and segments never grow.
 //!
@@ -381,7 +383,23 @@ impl State {
         let (start, end) = (s.addr, s.addr + s.size as u64);
         let runs: Vec<(u64, usize, u64)> =
             self.res(res).runs.range(start..end).map(|(&a, &(sz, h))| (a, sz, h)).collect();
-        for (a, size, handle) in runs {
+        self.unmap_runs(res, &runs);
+    }
+
+    /// Takes each of `runs` (physical allocations of reservation `res`: address, size, handle)
+    /// that is still mapped and lies wholly in one free block out of its segment and queues
+    /// its unmap; the others stay. Besides [`unmap_free_runs`](Self::unmap_free_runs), for
+    /// memory a request mapped and did not take (its map failed partway, or its pool went
+    /// meanwhile; see [`give_back_runs`](Self::give_back_runs)).
+    ///
+    pub(super) fn unmap_runs(&mut self, res: u32, runs: &[(u64, usize, u64)]) {
+        for &(a, size, handle) in runs {
+            // Still this mapping (a run given back during a capture waits for its end, and may
+            // have been unmapped, or its reservation given back, by then).
+            let live = self.reservations.get(res as usize).and_then(Option::as_ref);
+            if live.and_then(|r| r.runs.get(&a)) != Some(&(size, handle)) {
+                continue;
+            }
             let r = self.res(res);
             let Some((_, &seg)) = r.segs.range(..=a).next_back() else { continue };
             let run_end = a + size as u64;
@@ -419,6 +437,24 @@ impl State {
                 _keep: keep,
                 guard,
             }));
+        }
+    }
+
+    /// Runs a request mapped and did not take go back: at once, or, during a graph capture
+    /// (when nothing may be unmapped, and a cut segment would leave memory mapped outside every
+    /// segment until the capture ends), when the last capture ends, if still free then.
+    pub(super) fn give_back_runs(&mut self, res: u32, runs: &[(u64, usize, u64)]) {
+        if self.captures.is_empty() {
+            self.unmap_runs(res, runs);
+        } else {
+            self.unmap_after_capture.extend(runs.iter().map(|&(a, s, h)| (res, a, s, h)));
+        }
+    }
+
+    /// The last capture ended: the runs [`give_back_runs`](Self::give_back_runs) kept for it.
+    pub(super) fn give_back_runs_after_capture(&mut self) {
+        for (res, a, s, h) in std::mem::take(&mut self.unmap_after_capture) {
+            self.unmap_runs(res, &[(a, s, h)]);
         }
     }
 

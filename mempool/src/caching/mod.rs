@@ -1062,14 +1062,22 @@ impl DeviceAllocator {
                     self.unlock(st, true);
                     return Grown::Done(a);
                 }
+                // Not taken: what was mapped goes back at once if the map failed partway (as
+                // PyTorch releases the handles of a failed map: kept, it would sit in the cache,
+                // out of reach of other pools' ladders, and a retry would map part of it again)
+                // or if the request's pool went meanwhile (a released pool keeps nothing).
+                let pool_gone = grown.is_some_and(|b| st.block(b).pool != slot_now);
+                if !mapped.is_empty() && (failed.is_some() || pool_gone) {
+                    st.give_back_runs(plan.res, &mapped);
+                }
                 match failed {
                     Some(e @ (BackendError::Failed(_) | BackendError::Driver(_))) => {
                         let e = e.into_error("map");
                         self.unlock(st, true);
                         Grown::Failed(e)
                     }
-                    Some(BackendError::OutOfMemory) if mapped.is_empty() => Grown::OutOfMemory(st),
-                    _ => {
+                    Some(BackendError::OutOfMemory) => Grown::OutOfMemory(st),
+                    None => {
                         self.unlock(st, true);
                         Grown::Retry
                     }

@@ -298,6 +298,10 @@ pub(super) struct State {
     /// capture was under way (queued before it began, or left behind by a slow hook): they run
     /// once the last capture ends.
     pub(super) held_back: Vec<Work>,
+    /// Physical allocations (reservation, address, size, handle) a request mapped and did not
+    /// take during a graph capture: unmapped when the last capture ends, if still free
+    /// (`expand::give_back_runs`).
+    pub(super) unmap_after_capture: Vec<(u32, u64, usize, u64)>,
     /// Uses whose stream was being captured by someone else when the block was freed: their
     /// events are recorded once that capture is over (`events::retry_foreign`).
     pub(super) foreign: Vec<(BlockIdx, Use)>,
@@ -380,6 +384,7 @@ impl State {
             captures: Vec::new(),
             deferred: Vec::new(),
             held_back: Vec::new(),
+            unmap_after_capture: Vec::new(),
             foreign: Vec::new(),
             host_visible: false,
             freeing: 0,
