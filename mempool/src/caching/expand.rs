@@ -16,7 +16,7 @@
 //! (`unmap_free_runs`), after the hooks have seen its `SegmentUnmap` and the backend has
 //! waited for the segment's stream. Runs a request mapped and did not take (its map failed
 //! partway, or its pool was released meanwhile) are unmapped at once, or when the last graph
-//! capture ends (`give_back_runs`). In a pool whose blocks must not span two physical
+//! capture ends unless a graph holds their pool (`give_back_runs`). In a pool whose blocks must not span two physical
 //! allocations (`merge_runs` off: NCCL before 2.29.2 registers one physical allocation per
 //! buffer), each growth is one run and one segment of its own, and segments never grow.
 //!
@@ -451,9 +451,16 @@ impl State {
         }
     }
 
-    /// The last capture ended: the runs [`give_back_runs`](Self::give_back_runs) kept for it.
+    /// The last capture ended: the runs [`give_back_runs`](Self::give_back_runs) kept for it,
+    /// except those of a pool a graph now holds (a capture may have used the run for a
+    /// temporary, which every replay writes: `empty_cache` or the pool's release gives them
+    /// back once no graph holds the pool, as its other memory).
     pub(super) fn give_back_runs_after_capture(&mut self) {
         for (res, a, s, h) in std::mem::take(&mut self.unmap_after_capture) {
+            let Some(r) = self.reservations.get(res as usize).and_then(Option::as_ref) else { continue };
+            if self.pools[r.key.0.get()].pinned > 0 {
+                continue;
+            }
             self.unmap_runs(res, &[(a, s, h)]);
         }
     }
