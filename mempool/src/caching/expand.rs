@@ -16,9 +16,10 @@
 //! (`unmap_free_runs`), after the hooks have seen its `SegmentUnmap` and the backend has
 //! waited for the segment's stream. Runs a request mapped and did not take (its map failed
 //! partway, or its pool was released meanwhile) are unmapped at once, or when the last graph
-//! capture ends unless a graph holds their pool (`give_back_runs`). In a pool whose blocks must not span two physical
-//! allocations (`merge_runs` off: NCCL before 2.29.2 registers one physical allocation per
-//! buffer), each growth is one run and one segment of its own, and segments never grow.
+//! capture ends unless a graph holds their pool (`give_back_runs`). In a pool whose blocks
+//! must not span two physical allocations (`merge_runs` off: NCCL before 2.29.2 registers one
+//! physical allocation per buffer), each growth is one run and one segment of its own, and
+//! segments never grow.
 //!
 //! Statistics: reserved bytes are mapped bytes; a map is a device allocation, an unmap a device
 //! free; a segment is a contiguous mapped range (as snapshots show them). Oversize segments
@@ -391,7 +392,6 @@ impl State {
     /// its unmap; the others stay. Besides [`unmap_free_runs`](Self::unmap_free_runs), for
     /// memory a request mapped and did not take (its map failed partway, or its pool went
     /// meanwhile; see [`give_back_runs`](Self::give_back_runs)).
-    ///
     pub(super) fn unmap_runs(&mut self, res: u32, runs: &[(u64, usize, u64)]) {
         for &(a, size, handle) in runs {
             // Still this mapping (a run given back during a capture waits for its end, and may
@@ -442,7 +442,8 @@ impl State {
 
     /// Runs a request mapped and did not take go back: at once, or, during a graph capture
     /// (when nothing may be unmapped, and a cut segment would leave memory mapped outside every
-    /// segment until the capture ends), when the last capture ends, if still free then.
+    /// segment until the capture ends), when the last capture ends, if still free then and no
+    /// graph holds the pool.
     pub(super) fn give_back_runs(&mut self, res: u32, runs: &[(u64, usize, u64)]) {
         if self.captures.is_empty() {
             self.unmap_runs(res, runs);

@@ -299,8 +299,8 @@ pub(super) struct State {
     /// once the last capture ends.
     pub(super) held_back: Vec<Work>,
     /// Physical allocations (reservation, address, size, handle) a request mapped and did not
-    /// take during a graph capture: unmapped when the last capture ends, if still free
-    /// (`expand::give_back_runs`).
+    /// take during a graph capture: unmapped when the last capture ends, if still free and no
+    /// graph holds their pool (`expand::give_back_runs`).
     pub(super) unmap_after_capture: Vec<(u32, u64, usize, u64)>,
     /// Uses whose stream was being captured by someone else when the block was freed: their
     /// events are recorded once that capture is over (`events::retry_foreign`).
