@@ -14,37 +14,13 @@ use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
 use common::watch::within;
-use common::{check_invariants, check_pool, Rng};
-use mempool::sim::SimDevice;
-use mempool::{Allocator, Buffer, CaptureMode, Config, MemPool, PoolOptions, Sim};
+use common::{all_given_back, check_invariants, check_pool, sim_with, Rng};
+use mempool::{Allocator, Buffer, CaptureMode, MemPool, PoolOptions, Sim};
 
 const MIB: usize = 1 << 20;
 
-fn sim(cap: usize) -> (Arc<SimDevice>, Allocator<Sim>) {
-    let s = SimDevice::new(cap);
-    (s.clone(), Allocator::sim(s))
-}
-
-fn sim_conf(cap: usize, conf: &str) -> (Arc<SimDevice>, Allocator<Sim>) {
-    let s = SimDevice::new(cap);
-    (s.clone(), Allocator::sim_with(s, Config::parse(conf).unwrap()))
-}
-
 fn iters(n: usize) -> usize {
     std::env::var("R14_ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(n)
-}
-
-/// Everything freed and given back: nothing left on the device.
-fn all_back(sim: &SimDevice, a: &Allocator<Sim>) {
-    a.empty_cache().unwrap();
-    check_invariants(a, Some(sim));
-    let st = a.memory_stats();
-    assert_eq!(st.allocation.all.current, 0, "allocations left");
-    assert_eq!(st.active.all.current, 0, "active left");
-    assert_eq!(st.segment.all.current, 0, "segments left: {:?}", a.snapshot().segments.len());
-    assert_eq!(sim.used(), 0, "device memory left: {:?}", sim.live_segments());
-    assert!(sim.mapped().is_empty(), "mapped left: {:?}", sim.mapped());
-    assert!(sim.reservations().is_empty(), "reservations left: {:?}", sim.reservations());
 }
 
 // ------------------------------------------------------------------------------------------
@@ -53,7 +29,7 @@ fn all_back(sim: &SimDevice, a: &Allocator<Sim>) {
 #[test]
 fn p1_pool_released_while_other_threads_hold_buffers_and_handles() {
     for round in 0..iters(30) {
-        let (sim, a) = sim(1 << 34);
+        let (sim, a) = sim_with(1 << 34, "");
         within(60, "p1", move || {
             let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
             let n = 4;
@@ -89,7 +65,7 @@ fn p1_pool_released_while_other_threads_hold_buffers_and_handles() {
             for h in hs {
                 h.join().unwrap();
             }
-            all_back(&sim, &a);
+            all_given_back(&sim, &a);
         });
     }
 }
@@ -100,7 +76,7 @@ fn p1_pool_released_while_other_threads_hold_buffers_and_handles() {
 // ------------------------------------------------------------------------------------------
 #[test]
 fn p2_forgotten_scope_of_a_released_pool_routes_nowhere() {
-    let (sim, a) = sim(1 << 32);
+    let (sim, a) = sim_with(1 << 32, "");
     within(30, "p2", move || {
         let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
         let h = pool.scope_handle();
@@ -132,7 +108,7 @@ fn p2_forgotten_scope_of_a_released_pool_routes_nowhere() {
         assert_eq!(inp, 0, "a forgotten route of a released pool allocated from the pool in its slot");
         check_pool(&newp);
         drop(newp);
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
 }
 
@@ -143,7 +119,7 @@ fn p2_forgotten_scope_of_a_released_pool_routes_nowhere() {
 #[test]
 fn p3_stale_route_allocating_while_another_thread_releases() {
     for _ in 0..iters(50) {
-        let (sim, a) = sim(1 << 34);
+        let (sim, a) = sim_with(1 << 34, "");
         within(30, "p3", move || {
             let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
             let h = pool.scope_handle();
@@ -177,7 +153,7 @@ fn p3_stale_route_allocating_while_another_thread_releases() {
             }
             let kept = t.join().unwrap();
             drop(kept);
-            all_back(&sim, &a);
+            all_given_back(&sim, &a);
         });
     }
 }
@@ -188,7 +164,7 @@ fn p3_stale_route_allocating_while_another_thread_releases() {
 //    and the pool is released midway.
 // ------------------------------------------------------------------------------------------
 fn expandable_storm(conf: &str, seed: u64) {
-    let (sim, a) = sim_conf(96 * MIB, conf);
+    let (sim, a) = sim_with(96 * MIB, conf);
     within(120, "expandable storm", move || {
         let pool = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
@@ -248,7 +224,7 @@ fn expandable_storm(conf: &str, seed: u64) {
         check_invariants(&a, Some(&sim));
         drop(kept);
         // (`all_back` checked that no mapping and no reservation is left.)
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
 }
 
@@ -276,7 +252,7 @@ fn p4c_expandable_default_no_thread_cache_storm() {
 /// After everything is freed and the caches emptied, no reservation should remain either.
 #[test]
 fn p5_expandable_reservations_go_back() {
-    let (sim, a) = sim_conf(64 * MIB, "expandable_segments:True");
+    let (sim, a) = sim_with(64 * MIB, "expandable_segments:True");
     {
         let pool = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
         let x = pool.alloc::<u8>(30 * MIB).unwrap();
@@ -289,7 +265,7 @@ fn p5_expandable_reservations_go_back() {
         drop(x);
         drop(y);
     }
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
     assert!(sim.reservations().is_empty(), "reservations left: {:?}", sim.reservations());
 }
 
@@ -323,7 +299,7 @@ impl Truth {
 }
 
 fn model_run(conf: &str, expandable: bool, seed: u64, steps: usize) {
-    let (sim, a) = sim_conf(160 * MIB, conf);
+    let (sim, a) = sim_with(160 * MIB, conf);
     let mut r = Rng(seed.wrapping_mul(0x9e3779b97f4a7c15) | 1);
     let p = MemPool::on(&a, PoolOptions::new().expandable(expandable)).unwrap();
     let mut q = Some(MemPool::on(&a, PoolOptions::new()).unwrap());
@@ -418,7 +394,7 @@ fn model_run(conf: &str, expandable: bool, seed: u64, steps: usize) {
     drop(q);
     drop(p);
     sim.complete_all();
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
 }
 
 #[test]
@@ -455,7 +431,7 @@ fn p6d_single_thread_peaks_exact_gc() {
 //    and on their own, and call empty_cache / memory_stats / snapshot / reset_peak_stats.
 // ------------------------------------------------------------------------------------------
 fn capture_storm(conf: &str, seed: u64) {
-    let (sim, a) = sim_conf(1 << 32, conf);
+    let (sim, a) = sim_with(1 << 32, conf);
     within(60, "capture storm", move || {
         let s = sim.new_stream();
         let gp = MemPool::on(&a, PoolOptions::new()).unwrap();
@@ -547,7 +523,7 @@ fn capture_storm(conf: &str, seed: u64) {
         drop(gp);
         drop(held);
         sim.complete_all();
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
         let v = sim.capture_violations();
         assert!(v.is_empty(), "violations: {v:?}");
     });
@@ -572,7 +548,7 @@ fn p7b_capture_with_frees_on_other_threads_expandable() {
 //    readers call empty_cache, memory_stats, snapshot, reset_peak_stats, pool stats.
 // ------------------------------------------------------------------------------------------
 fn mixing_storm(conf: &str, seed: u64, threads: usize, steps: usize) {
-    let (sim, a) = sim_conf(1 << 30, conf);
+    let (sim, a) = sim_with(1 << 30, conf);
     within(120, "mixing storm", move || {
         const HOLD: usize = 6;
         let shared = MemPool::on(&a, PoolOptions::new().use_on_oom(true)).unwrap();
@@ -690,7 +666,7 @@ fn mixing_storm(conf: &str, seed: u64, threads: usize, steps: usize) {
         drop(held);
         drop(shared);
         sim.complete_all();
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
 }
 
@@ -714,7 +690,7 @@ fn p8b_mixing_storm_expandable() {
 //    capture ends, the memory can be had again.
 // ------------------------------------------------------------------------------------------
 fn oom_in_capture(conf: &str, expandable_pool: bool, other_thread: bool) {
-    let (sim, a) = sim_conf(64 * MIB, conf);
+    let (sim, a) = sim_with(64 * MIB, conf);
     within(30, "oom in capture", move || {
         let s = sim.new_stream();
         // Fill the cache of the default pools (freed, cached) and of a released pool.
@@ -761,7 +737,7 @@ fn oom_in_capture(conf: &str, expandable_pool: bool, other_thread: bool) {
         drop(b);
         drop(gp);
         drop(_cur);
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
 }
 
@@ -790,7 +766,7 @@ fn p9d_oom_in_capture_other_thread_plain() {
 // ------------------------------------------------------------------------------------------
 #[test]
 fn a_failed_expandable_pool_request_gives_back_what_it_mapped() {
-    let (sim, a) = sim(64 * MIB);
+    let (sim, a) = sim_with(64 * MIB, "");
     let pool = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
     let x = a.alloc::<u8>(20 * MIB).unwrap();
     let r = pool.alloc::<u8>(60 * MIB);
@@ -809,7 +785,7 @@ fn a_failed_expandable_pool_request_gives_back_what_it_mapped() {
         d.as_ref().map(|_| ())
     );
     drop((x, d, pool));
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
 }
 
 /// The same with expandable default pools: the failed default request leaves its partial map
@@ -817,7 +793,7 @@ fn a_failed_expandable_pool_request_gives_back_what_it_mapped() {
 /// given back), so only the stats show it: reserved with nothing allocated.
 #[test]
 fn a_failed_expandable_default_request_gives_back_what_it_mapped() {
-    let (sim, a) = sim_conf(64 * MIB, "expandable_segments:True");
+    let (sim, a) = sim_with(64 * MIB, "expandable_segments:True");
     let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
     let x = pool.alloc::<u8>(20 * MIB).unwrap();
     let r = a.alloc::<u8>(60 * MIB);
@@ -827,7 +803,7 @@ fn a_failed_expandable_default_request_gives_back_what_it_mapped() {
     let left = s.reserved_bytes.all.current - pool.memory_stats().reserved_bytes.current;
     assert_eq!(left, 0, "a failed default request left {left} bytes mapped");
     drop((x, pool));
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -835,7 +811,7 @@ fn a_failed_expandable_default_request_gives_back_what_it_mapped() {
 //     no concurrency at all: each step is finished before the next begins).
 // ------------------------------------------------------------------------------------------
 fn turns(pool_peak: bool, reset_first: bool) -> (i64, i64) {
-    let (_sim, a) = sim(1 << 32);
+    let (_sim, a) = sim_with(1 << 32, "");
     let pool = MemPool::on(&a, PoolOptions::new()).unwrap();
     let (tx_a, rx_a) = std::sync::mpsc::channel::<u32>();
     let (tx_b, rx_b) = std::sync::mpsc::channel::<u32>();
@@ -911,7 +887,7 @@ fn p11c_device_peak_threads_taking_turns() {
 fn p12_borrowed_block_outlives_lender() {
     for expandable in [false, true] {
         let conf = if expandable { "expandable_segments:True" } else { "" };
-        let (sim, a) = sim_conf(64 * MIB, conf);
+        let (sim, a) = sim_with(64 * MIB, conf);
         let lender = MemPool::on(&a, PoolOptions::new().use_on_oom(true).expandable(expandable)).unwrap();
         let l = lender.alloc::<u8>(40 * MIB).unwrap();
         drop(l);
@@ -925,7 +901,7 @@ fn p12_borrowed_block_outlives_lender() {
         let t = std::thread::spawn(move || drop(b));
         t.join().unwrap();
         drop(x);
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     }
 }
 
@@ -948,7 +924,7 @@ impl mempool::MapGuard for DropOnMap {
 
 #[test]
 fn a_pool_released_by_its_guard_during_a_map_keeps_nothing() {
-    let (sim, a) = sim(1 << 30);
+    let (sim, a) = sim_with(1 << 30, "");
     within(30, "p13", move || {
         let holder = Arc::new(std::sync::Mutex::new(None));
         let pool = MemPool::on(&a, PoolOptions::new().expandable(true).map_guard(DropOnMap(holder.clone()))).unwrap();
@@ -969,7 +945,7 @@ fn a_pool_released_by_its_guard_during_a_map_keeps_nothing() {
         assert_eq!(ns.allocation.current, 1);
         drop((b, nb, newp));
         assert_eq!(held, 0, "the released pool kept {held} bytes mapped (device mapped {mapped_before_empty}) with no block and no handle, until empty_cache");
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
 }
 
@@ -981,7 +957,7 @@ fn a_pool_released_during_another_threads_maps_keeps_nothing() {
     let rounds = iters(5000);
     let mut bad = 0;
     for _ in 0..rounds {
-        let (sim, a) = sim(1 << 34);
+        let (sim, a) = sim_with(1 << 34, "");
         let pool = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
         let old = pool.id();
         let h = pool.scope_handle();
@@ -1006,7 +982,7 @@ fn a_pool_released_during_another_threads_maps_keeps_nothing() {
         if held != 0 {
             bad += 1;
         }
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     }
     assert_eq!(bad, 0, "{bad} of {rounds} rounds: a released pool kept mapped memory after its last block was freed");
 }

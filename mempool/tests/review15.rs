@@ -10,34 +10,13 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use common::check_invariants;
 use common::watch::within;
+use common::{all_given_back, check_invariants, sim_with};
 use mempool::sim::SimDevice;
 use mempool::trace::{self, Action};
-use mempool::{Allocator, CaptureMode, Config, MapGuard, MemPool, PoolOptions, Sim};
+use mempool::{Allocator, CaptureMode, MapGuard, MemPool, PoolOptions, Sim};
 
 const MIB: usize = 1 << 20;
-
-fn sim(cap: usize) -> (Arc<SimDevice>, Allocator<Sim>) {
-    let s = SimDevice::new(cap);
-    (s.clone(), Allocator::sim(s))
-}
-
-fn sim_conf(cap: usize, conf: &str) -> (Arc<SimDevice>, Allocator<Sim>) {
-    let s = SimDevice::new(cap);
-    (s.clone(), Allocator::sim_with(s, Config::parse(conf).unwrap()))
-}
-
-fn all_back(sim: &SimDevice, a: &Allocator<Sim>) {
-    a.empty_cache().unwrap();
-    check_invariants(a, Some(sim));
-    let st = a.memory_stats();
-    assert_eq!(st.allocation.all.current, 0, "allocations left");
-    assert_eq!(st.segment.all.current, 0, "segments left");
-    assert_eq!(st.reserved_bytes.all.current, 0, "reserved left");
-    assert!(sim.mapped().is_empty(), "mapped left: {:?}", sim.mapped());
-    assert!(sim.reservations().is_empty(), "reservations left: {:?}", sim.reservations());
-}
 
 /// A guard keeping its own ledger; can fail the device's map at position `fail_at` of its
 /// count (by arming `fail_next_maps` from inside `mapped`), veto, or panic.
@@ -140,7 +119,7 @@ impl HookLedger {
 // ------------------------------------------------------------------------------------------
 #[test]
 fn a_graph_temporary_in_a_run_given_back_during_the_capture_stays_mapped() {
-    let (sim, a) = sim(64 * MIB);
+    let (sim, a) = sim_with(64 * MIB, "");
     within(30, "A", move || {
         let s = sim.new_stream();
         let x = a.alloc::<u8>(20 * MIB).unwrap();
@@ -169,7 +148,7 @@ fn a_graph_temporary_in_a_run_given_back_during_the_capture_stays_mapped() {
         drop(g);
         drop(cur);
         drop((x, gp));
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
 }
 
@@ -178,7 +157,7 @@ fn a_graph_temporary_in_a_run_given_back_during_the_capture_stays_mapped() {
 /// pool's partial map is deferred to the end of the last capture).
 #[test]
 fn a_second_graph_temporary_in_a_deferred_run_stays_mapped() {
-    let (sim, a) = sim(64 * MIB);
+    let (sim, a) = sim_with(64 * MIB, "");
     within(30, "A2", move || {
         let (s1, s2) = (sim.new_stream(), sim.new_stream());
         let x = a.alloc::<u8>(20 * MIB).unwrap();
@@ -200,7 +179,7 @@ fn a_second_graph_temporary_in_a_deferred_run_stays_mapped() {
         let ok = sim.is_mapped(addr, 10 * MIB);
         assert!(ok, "graph 2's temporary at {addr:#x} unmapped at the end of the last capture: {:?}", sim.mapped());
         drop((g1, g2, x, gp, other));
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
 }
 
@@ -210,7 +189,7 @@ fn a_second_graph_temporary_in_a_deferred_run_stays_mapped() {
 // ------------------------------------------------------------------------------------------
 #[test]
 fn b_partial_map_then_ladder_serves_a_request_that_fits() {
-    let (sim, a) = sim(64 * MIB);
+    let (sim, a) = sim_with(64 * MIB, "");
     let hooks = hook_ledger(&a);
     drop(a.alloc::<u8>(20 * MIB).unwrap()); // default cache: 20 MiB free
     let g = Ledger::new(&sim);
@@ -224,14 +203,14 @@ fn b_partial_map_then_ladder_serves_a_request_that_fits() {
     assert!(r.is_ok(), "{r:?} (maps {:?} -> {:?})", before, after);
     drop(r);
     drop(pool);
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
     g.check(&sim);
     hooks.check(&sim);
 }
 
 #[test]
 fn b2_partial_map_default_expandable_ladder() {
-    let (sim, a) = sim_conf(64 * MIB, "expandable_segments:True");
+    let (sim, a) = sim_with(64 * MIB, "expandable_segments:True");
     let hooks = hook_ledger(&a);
     {
         let s = sim.new_stream();
@@ -243,7 +222,7 @@ fn b2_partial_map_default_expandable_ladder() {
     hooks.check(&sim);
     assert!(r.is_ok(), "{r:?}");
     drop(r);
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
     hooks.check(&sim);
 }
 
@@ -252,7 +231,7 @@ fn b2_partial_map_default_expandable_ladder() {
 //    `fail_next_maps`), default and user pools, merge and no-merge, with and without a capture.
 // ------------------------------------------------------------------------------------------
 fn fail_at_position(k: usize, conf: &str, in_capture: bool, graph: bool, veto_end: bool) {
-    let (sim, a) = sim_conf(1 << 32, conf);
+    let (sim, a) = sim_with(1 << 32, conf);
     let hooks = hook_ledger(&a);
     let g = Ledger::new(&sim);
     let pool = MemPool::on(&a, PoolOptions::new().expandable(true).map_guard(g.clone())).unwrap();
@@ -296,7 +275,7 @@ fn fail_at_position(k: usize, conf: &str, in_capture: bool, graph: bool, veto_en
     let _ = a.empty_cache();
     drop(pool);
     drop(gp);
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
     g.check(&sim);
     hooks.check(&sim);
     assert!(g.mapped.lock().unwrap().is_empty(), "guard still holds {:?}", g.mapped.lock().unwrap());
@@ -327,7 +306,7 @@ fn c_fail_at_every_position_in_capture() {
 //    captures on another pool beginning and ending meanwhile, empty_cache racing.
 // ------------------------------------------------------------------------------------------
 fn storm(seed: u64, conf: &str) {
-    let (sim, a) = sim_conf(160 * MIB, conf);
+    let (sim, a) = sim_with(160 * MIB, conf);
     let hooks = hook_ledger(&a);
     within(120, "D storm", move || {
         let g = Ledger::new(&sim);
@@ -388,7 +367,7 @@ fn storm(seed: u64, conf: &str) {
         check_invariants(&a, Some(&sim));
         g.check(&sim);
         drop((pool, q));
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
         g.check(&sim);
         assert!(g.mapped.lock().unwrap().is_empty());
     });
@@ -415,7 +394,7 @@ fn d_storm_default_expandable() {
 // ------------------------------------------------------------------------------------------
 #[test]
 fn e_pool_released_during_capture_with_entries_pending() {
-    let (sim, a) = sim(64 * MIB);
+    let (sim, a) = sim_with(64 * MIB, "");
     let hooks = hook_ledger(&a);
     within(30, "E", move || {
         let g = Ledger::new(&sim);
@@ -445,7 +424,7 @@ fn e_pool_released_during_capture_with_entries_pending() {
         assert!(g.mapped.lock().unwrap().is_empty(), "released pool still mapped: {:?}", sim.mapped());
         assert!(sim.reservations().is_empty(), "reservation left: {:?}", sim.reservations());
         drop((x, gp));
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
     });
     hooks.check(&SimDevice::new(1));
 }
@@ -459,7 +438,7 @@ fn e_pool_released_during_capture_with_entries_pending() {
 /// unmaps did so before), and the call after it works; nothing is lost.
 #[test]
 fn f_give_back_unmap_fails_is_reported_by_the_next_call() {
-    let (sim, a) = sim(64 * MIB);
+    let (sim, a) = sim_with(64 * MIB, "");
     let x = a.alloc::<u8>(20 * MIB).unwrap();
     let p = MemPool::on(&a, PoolOptions::new().expandable(true)).unwrap();
     sim.fail_next_unmaps(1);
@@ -474,12 +453,12 @@ fn f_give_back_unmap_fails_is_reported_by_the_next_call() {
     );
     let after = a.alloc::<u8>(512).unwrap();
     drop((after, x, p));
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
 }
 
 #[test]
 fn f2_give_back_guard_panics() {
-    let (sim, a) = sim(64 * MIB);
+    let (sim, a) = sim_with(64 * MIB, "");
     let g = Ledger::new(&sim);
     g.panic_unmap.store(true, Ordering::Relaxed);
     let x = a.alloc::<u8>(20 * MIB).unwrap();
@@ -494,7 +473,7 @@ fn f2_give_back_guard_panics() {
     drop((r, nxt, x));
     let e2 = p.empty_cache();
     drop(p);
-    all_back(&sim, &a);
+    all_given_back(&sim, &a);
     g.check(&sim);
     assert!(n_s.starts_with("Ok"), "request: {r_s}; next: {n_s}; empty_cache {e:?} {e2:?}");
 }
@@ -505,7 +484,7 @@ fn f2_give_back_guard_panics() {
 //    guard vetoing at random; graphs kept for a while.
 // ------------------------------------------------------------------------------------------
 fn storm2(seed: u64) {
-    let (sim, a) = sim(128 * MIB);
+    let (sim, a) = sim_with(128 * MIB, "");
     let hooks = hook_ledger(&a);
     within(120, "G storm", move || {
         let g = Ledger::new(&sim);
@@ -578,7 +557,7 @@ fn storm2(seed: u64) {
         drop(graphs);
         drop((pool, side));
         let _ = a.empty_cache(); // a veto kept for it
-        all_back(&sim, &a);
+        all_given_back(&sim, &a);
         g.check(&sim);
         assert!(g.mapped.lock().unwrap().is_empty());
     });

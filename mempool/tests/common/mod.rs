@@ -200,6 +200,30 @@ pub(crate) fn pinned_sim(capacity: usize, conf: &str) -> (std::sync::Arc<SimDevi
     (sim.clone(), Allocator::sim_with(sim, config))
 }
 
+/// A simulated device of `capacity` bytes and an allocator on it with the settings `conf`
+/// (`MEMPOOL_ALLOC_CONF` syntax; empty: the defaults).
+pub(crate) fn sim_with(capacity: usize, conf: &str) -> (std::sync::Arc<SimDevice>, Allocator<mempool::Sim>) {
+    let sim = SimDevice::new(capacity);
+    let config = mempool::Config::parse(conf).expect("a valid config");
+    (sim.clone(), Allocator::sim_with(sim, config))
+}
+
+/// After `empty_cache`, everything freed and given back: the invariants hold, no allocation,
+/// active block, segment or reserved byte is counted, and the device holds no segment, mapping
+/// or reservation.
+pub(crate) fn all_given_back(sim: &SimDevice, a: &Allocator<mempool::Sim>) {
+    a.empty_cache().unwrap();
+    check_invariants(a, Some(sim));
+    let st = a.memory_stats();
+    assert_eq!(st.allocation.all.current, 0, "allocations left");
+    assert_eq!(st.active.all.current, 0, "active blocks left");
+    assert_eq!(st.segment.all.current, 0, "segments left: {}", a.snapshot().segments.len());
+    assert_eq!(st.reserved_bytes.all.current, 0, "reserved bytes left");
+    assert_eq!(sim.used(), 0, "device memory left: {:?}", sim.live_segments());
+    assert!(sim.mapped().is_empty(), "mappings left: {:?}", sim.mapped());
+    assert!(sim.reservations().is_empty(), "reservations left: {:?}", sim.reservations());
+}
+
 /// Waits (at most 10 s) until `cond` holds, looking every millisecond; whether it did.
 pub(crate) fn eventually(mut cond: impl FnMut() -> bool) -> bool {
     let since = std::time::Instant::now();
