@@ -12,6 +12,13 @@
 // and a bitmap of the bins that hold blocks: the shape of mempool's `caching/freeset.rs`). It
 // prints `mixed <live> <ns> ns  segs <segments made so far>  <sets>`.
 //
+// `min_bestfit replay <trace>...` replays plain traces (the anchors' format: `a <id> <bytes>
+// <stream>`, `f <id>`; every stream on one, as the project's traces are) three times on one
+// allocator per set kind, as `mempool-bench replay` does (rep 0 from nothing, reps 1 and 2 on
+// what it left), ids mapped to slots beforehand, and prints
+// `replay <trace> rep=<r> <cold|warm> ns_per_event=<x> segs <n>  <sets>`: the floor of a warm
+// replay event under PyTorch's native rules.
+//
 //   rustc -O mempool-bench/harness/min_bestfit.rs -o /tmp/min_bestfit && /tmp/min_bestfit
 //
 // Standard library only, so it builds wherever rustc is (and runs on the GPU hosts, copied).
@@ -259,7 +266,68 @@ fn run<S: FreeSet>(sets: [S; 2], name: &str, iters: usize) {
     }
 }
 
+/// A trace's events with ids mapped to dense slots: (slot, bytes) for an allocation, (slot, 0)
+/// for a free.
+fn load(path: &str) -> (Vec<(usize, usize)>, usize) {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {}", path, e));
+    let mut slot_of = std::collections::HashMap::new();
+    let mut spare = Vec::new();
+    let mut slots = 0;
+    let mut ev = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w[0] {
+            "a" => {
+                let s = spare.pop().unwrap_or_else(|| {
+                    slots += 1;
+                    slots - 1
+                });
+                slot_of.insert(w[1].to_string(), s);
+                ev.push((s, w[2].parse::<usize>().expect("bytes").max(1)));
+            }
+            "f" => {
+                let s = slot_of.remove(w[1]).expect("a free of a live id");
+                spare.push(s);
+                ev.push((s, 0));
+            }
+            x => panic!("{}: unknown event {}", path, x),
+        }
+    }
+    (ev, slots)
+}
+
+fn replay<S: FreeSet>(sets: [S; 2], name: &str, path: &str) {
+    let (ev, slots) = load(path);
+    let file = path.rsplit('/').next().unwrap_or(path);
+    let mut a = A { blocks: Vec::new(), spare: Vec::new(), sets, top: 1 << 32, segs: 0 };
+    for rep in 0..3 {
+        let mut live = vec![NONE; slots];
+        let t = Instant::now();
+        for &(s, bytes) in &ev {
+            if bytes == 0 {
+                a.free(live[s]);
+                live[s] = NONE;
+            } else {
+                live[s] = a.alloc(bytes);
+            }
+        }
+        let ns = t.elapsed().as_nanos() as f64 / ev.len() as f64;
+        println!("replay {file} rep={rep} {} ns_per_event={ns:.1} segs {}  {name}", if rep == 0 { "cold" } else { "warm" }, a.segs);
+        for i in live.into_iter().filter(|&i| i != NONE) {
+            a.free(i);
+        }
+    }
+}
+
 fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("replay") {
+        for t in &args[1..] {
+            replay([BTreeSet::new(), BTreeSet::new()], "btree", t);
+            replay([Binned::new(), Binned::new()], "binned", t);
+        }
+        return;
+    }
     let iters: usize = std::env::var("ITERS").ok().and_then(|v| v.parse().ok()).unwrap_or(200_000);
     run([BTreeSet::new(), BTreeSet::new()], "btree", iters);
     run([Binned::new(), Binned::new()], "binned", iters);
