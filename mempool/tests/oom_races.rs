@@ -223,12 +223,17 @@ fn exact_fit_run(n: usize, cache: bool, iters: usize) -> usize {
     failed.load(Ordering::Relaxed)
 }
 
+/// `MEMPOOL_OOM_PROBE=rounds,requests` runs it longer (RELIABILITY.md: 50,60000).
 #[test]
 fn threads_with_memory_for_exactly_their_blocks_never_fail() {
-    for round in 0..6 {
+    let (rounds, iters) = std::env::var("MEMPOOL_OOM_PROBE")
+        .ok()
+        .and_then(|v| v.split_once(',').and_then(|(r, i)| Some((r.parse().ok()?, i.parse().ok()?))))
+        .unwrap_or((6, 5_000));
+    for round in 0..rounds {
         for n in [2, 4, 8] {
             for cache in [false, true] {
-                let failed = exact_fit_run(n, cache, 5_000);
+                let failed = exact_fit_run(n, cache, iters);
                 assert_eq!(failed, 0, "round {round}: {n} threads, thread_cache:{cache}");
             }
         }

@@ -896,9 +896,11 @@ impl DeviceAllocator {
                 };
                 let got = match st.segment_size_for(slot, rounded) {
                     Some(size) if st.within_limit(size) => {
-                        st.growing += size;
-                        self.unlock(st, true);
+                        let spare = if st.no_split(slot) { 0 } else { size - rounded };
+                        let growth = st.begin_growth(key, size, spare);
+                        // Before the unlock, whose outbox may run user code that allocates.
                         let here = GrowingHere::enter();
+                        self.unlock(st, true);
                         let seg_keep = keep.take().unwrap_or_else(|| (req.keep)());
                         let r = contain("the pool allocator", || match &source {
                             Source::Backend => be.alloc_segment(size, req.stream.raw),
@@ -922,7 +924,7 @@ impl DeviceAllocator {
                         });
                         drop(here);
                         st = self.lock();
-                        st.growing -= size;
+                        st.end_growth(growth);
                         Some((r, size, seg_keep))
                     }
                     _ => None,
@@ -983,23 +985,28 @@ impl DeviceAllocator {
             // giving back what a neighbour is about to use set off ladders in turn, each taking
             // the next one's memory (4 threads on one stream, memory for exactly their blocks:
             // 1,521 failed requests in one run of 80,000, none with this check).
-            if st.resolve(req.pool).unwrap_or(Slot::DEFAULT) == slot && st.pools[slot.get()].spec.id == pool_id {
-                let set = st.set_for(slot, req.stream.key, small);
-                if let Some(b) = st.best_fit(set, rounded, no_split) {
-                    let a = st.take_block(b, rounded, req.size);
-                    self.unlock(st, true);
-                    return Ok(a);
-                }
+            if st.resolve(req.pool).unwrap_or(Slot::DEFAULT) != slot || st.pools[slot.get()].spec.id != pool_id {
+                // Its pool was released (its slot perhaps taken) meanwhile: from the start (the
+                // default pools, if the pool is gone).
+                drop(st);
+                continue;
             }
-            // Another thread is making a segment or mapping memory, with the lock let go: its
-            // memory is what this one lacked, and its new segment may have room for this request
-            // too. PyTorch's callers wait on its lock while it does; this one waits for it (a
-            // while at most: `GROWTH_WAIT`), then looks again, before giving anything back.
-            if st.growing > 0 && !GrowingHere::inside() {
-                if self.wait_for_growth(st, &mut waited) {
-                    continue;
+            let set = st.set_for(slot, req.stream.key, small);
+            if let Some(b) = st.best_fit(set, rounded, no_split) {
+                let a = st.take_block(b, rounded, req.size);
+                self.unlock(st, true);
+                return Ok(a);
+            }
+            // Another thread is making a segment or mapping memory for this request's free set,
+            // with the lock let go, and its request leaves room for this one: PyTorch's callers
+            // wait on its lock while it does; this one waits for it (`GROWTH_WAIT` at most, in
+            // all), then starts over, before giving anything back. Not from inside a segment
+            // call or map of its own thread (it could be waiting for its caller).
+            if !GrowingHere::inside() && st.growth_may_serve(key, rounded) {
+                match self.wait_for_growth(st, key, rounded, &mut waited) {
+                    None => continue,
+                    Some(held) => st = held,
                 }
-                st = self.lock();
             }
             if !retried {
                 retried = true;
@@ -1044,25 +1051,30 @@ impl DeviceAllocator {
         }
     }
 
-    /// Waits, with `st` let go, until no other thread is growing (making a segment or mapping
-    /// memory with the lock let go), or until this request has waited `GROWTH_WAIT` in all;
-    /// returns whether it waited (then the caller looks for a block again from the start).
+    /// `st` back, held throughout, if this request has waited `GROWTH_WAIT` in all already;
+    /// else waits, with the lock let go, until no growth under way may serve it (see
+    /// `State::growth_may_serve`) or the time is up, and returns `None`: the caller starts over.
     #[cold]
-    fn wait_for_growth(&self, st: Locked<'_>, waited: &mut Option<(std::time::Instant, u32)>) -> bool {
+    fn wait_for_growth<'a>(
+        &'a self,
+        st: Locked<'a>,
+        key: state::SetKey,
+        rounded: usize,
+        waited: &mut Option<(std::time::Instant, u32)>,
+    ) -> Option<Locked<'a>> {
         let (since, spins) = waited.get_or_insert_with(|| (std::time::Instant::now(), 0));
         if since.elapsed() >= GROWTH_WAIT {
-            self.unlock(st, false);
-            return false;
+            return Some(st);
         }
         self.unlock(st, false);
         loop {
             *spins += 1;
             crate::sync::back_off(*spins);
             let st = self.lock();
-            let growing = st.growing > 0;
+            let may = st.growth_may_serve(key, rounded);
             drop(st);
-            if !growing || since.elapsed() >= GROWTH_WAIT {
-                return true;
+            if !may || since.elapsed() >= GROWTH_WAIT {
+                return None;
             }
         }
     }
@@ -1121,10 +1133,12 @@ impl DeviceAllocator {
         };
         match st.plan_map(key, rounded) {
             Some(plan) if st.within_limit(plan.size) => {
-                st.growing += plan.size;
+                // (The mapped run joins the free block before it, if any: its spare is at least
+                // what the request leaves of the new memory.)
+                let growth = st.begin_growth(key, plan.size, plan.size.saturating_sub(rounded));
                 let guard = st.pools[slot.get()].spec.map_guard.clone();
-                self.unlock(st, true);
                 let here = GrowingHere::enter();
+                self.unlock(st, true);
                 let mut mapped = Vec::new();
                 let mut failed = None;
                 for (addr, size) in plan.chunks() {
@@ -1155,7 +1169,7 @@ impl DeviceAllocator {
                 drop_user_code(guard);
                 drop(here);
                 let mut st = self.lock();
-                st.growing -= plan.size;
+                st.end_growth(growth);
                 let grown = st.finish_map(&plan, &mapped);
                 // The new memory's block is taken at once (in this locked section, so no other
                 // request takes it first), past best fit's rules: it was made for this request

@@ -23,7 +23,7 @@ impl State {
     pub(super) fn within_limit(&self, size: usize) -> bool {
         self.limit.is_none_or(|limit| {
             let reserved = self.stats.reserved_bytes.current() as usize + self.releasing;
-            reserved.saturating_add(self.growing).saturating_add(size) <= limit
+            reserved.saturating_add(self.growing()).saturating_add(size) <= limit
         })
     }
 

@@ -194,6 +194,20 @@ pub(super) struct Use {
 
 pub(super) type SetKey = (Slot, StreamKey, bool);
 
+/// A segment call or a map under way with the lock let go (`DeviceAllocator::grow`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Growth {
+    pub(super) id: u64,
+    /// The free set it grows.
+    pub(super) key: SetKey,
+    /// Its bytes.
+    pub(super) size: usize,
+    /// Bytes its own request leaves in it for others (0 where the rest is not split off).
+    pub(super) spare: usize,
+    /// The fork generation it began in: in a fork child, a parent thread's growth never ends.
+    pub(super) gen: u64,
+}
+
 /// Where a segment's memory goes back to.
 #[derive(Clone)]
 pub(super) enum Source {
@@ -328,8 +342,10 @@ pub(super) struct State {
     pub(super) outbox: Vec<Work>,
     /// Outbox items taken by runners so far (the sequence number of the next one to run).
     pub(super) taken: u64,
-    /// Bytes being obtained from the device right now, outside the lock.
-    pub(super) growing: usize,
+    /// Segment calls and maps under way outside the lock (see `begin_growth`).
+    pub(super) growths: Vec<Growth>,
+    /// The id of the next growth.
+    pub(super) next_growth: u64,
     /// Bytes taken out of the cache and not yet given back (in the outbox or being freed).
     pub(super) releasing: usize,
     /// The allocator's id, for trace entries.
@@ -397,7 +413,8 @@ impl State {
             vetoed: None,
             outbox: Vec::new(),
             taken: 0,
-            growing: 0,
+            growths: Vec::new(),
+            next_growth: 0,
             releasing: 0,
             allocator,
             device,
@@ -904,5 +921,36 @@ impl State {
     /// The blocks of a segment in address order.
     pub(super) fn blocks_of(&self, seg: &Segment) -> impl Iterator<Item = &Block> + '_ {
         std::iter::successors(seg.head.map(|h| self.block(h)), |b| b.next.map(|n| self.block(n)))
+    }
+}
+
+impl State {
+    /// Records a growth of `size` bytes for `key` (its request's leaving `spare` bytes free),
+    /// before the lock is let go for it; `end_growth` with the id it returns takes it back.
+    pub(super) fn begin_growth(&mut self, key: SetKey, size: usize, spare: usize) -> u64 {
+        let id = self.next_growth;
+        self.next_growth += 1;
+        self.growths.push(Growth { id, key, size, spare, gen: crate::sync::fork_generation() });
+        id
+    }
+
+    pub(super) fn end_growth(&mut self, id: u64) {
+        if let Some(i) = self.growths.iter().position(|g| g.id == id) {
+            self.growths.swap_remove(i);
+        }
+    }
+
+    /// Bytes being obtained from the device right now, outside the lock (by threads of this
+    /// process).
+    pub(super) fn growing(&self) -> usize {
+        let gen = crate::sync::fork_generation();
+        self.growths.iter().filter(|g| g.gen == gen).map(|g| g.size).sum()
+    }
+
+    /// Whether a growth under way (in this process) may leave a block of `rounded` bytes free
+    /// in `key`'s set.
+    pub(super) fn growth_may_serve(&self, key: SetKey, rounded: usize) -> bool {
+        let gen = crate::sync::fork_generation();
+        self.growths.iter().any(|g| g.gen == gen && g.key == key && g.spare >= rounded)
     }
 }
