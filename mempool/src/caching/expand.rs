@@ -69,6 +69,9 @@ pub(super) struct MapPlan {
     pub(super) size: usize,
     /// The size of each physical allocation (the last may be smaller).
     pub(super) chunk: usize,
+    /// What the request leaves free of the block the map makes (the free block before it
+    /// included, when the map extends it).
+    pub(super) spare: usize,
 }
 
 impl MapPlan {
@@ -144,12 +147,13 @@ impl State {
     pub(super) fn plan_map(&mut self, key: SetKey, rounded: usize) -> Option<MapPlan> {
         let page = self.vm_page?;
         let whole = rounded.checked_next_multiple_of(page)?;
-        // (bytes to map, where, reservation, start of the free range it comes from)
-        let mut best: Option<(usize, u64, u32, u64)> = None;
+        // (bytes to map, where, reservation, start of the free range it comes from, the free
+        // tail it extends)
+        let mut best: Option<(usize, u64, u32, u64, usize)> = None;
         for (ri, r) in self.reservations.iter().enumerate() {
             let Some(r) = r.as_ref().filter(|r| r.key == key) else { continue };
             for (&at, &len) in &r.free {
-                let (mut need, mut addr) = (whole, at);
+                let (mut need, mut addr, mut tail) = (whole, at, 0);
                 if r.merge {
                     let before = r.segs.range(..at).next_back().map(|(_, &s)| s);
                     if let Some(s) = before.filter(|&s| self.seg(s).addr + self.seg(s).size as u64 == at) {
@@ -157,6 +161,7 @@ impl State {
                         if last.state == BlockState::Free {
                             if last.size < rounded {
                                 need = (rounded - last.size).next_multiple_of(page);
+                                tail = last.size;
                             } else {
                                 // Big enough, yet best fit passed it over (`max_split_size`, or
                                 // a block too large for a whole-block request): new memory must
@@ -167,12 +172,12 @@ impl State {
                     }
                 }
                 let room = len.saturating_sub((addr - at) as usize);
-                if need <= room && best.is_none_or(|(n, a, _, _)| (need, addr) < (n, a)) {
-                    best = Some((need, addr, ri as u32, at));
+                if need <= room && best.is_none_or(|(n, a, _, _, _)| (need, addr) < (n, a)) {
+                    best = Some((need, addr, ri as u32, at, tail));
                 }
             }
         }
-        let (size, addr, res, from) = best?;
+        let (size, addr, res, from, tail) = best?;
         let small = key.2;
         let r = self.res_mut(res);
         let len = r.free.remove(&from).expect("a free range");
@@ -189,7 +194,7 @@ impl State {
             (true, true) => SMALL_CHUNK.max(page),
             (true, false) => LARGE_CHUNK.next_multiple_of(page),
         };
-        Some(MapPlan { res, addr, size, chunk })
+        Some(MapPlan { res, addr, size, chunk, spare: (tail + size).saturating_sub(rounded) })
     }
 
     /// A planned map that will not be made (over the memory limit).

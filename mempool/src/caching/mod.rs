@@ -58,6 +58,14 @@ thread_local! {
 }
 
 thread_local! {
+    /// Allocators whose segment call or map this thread is inside, with the allocator's lock
+    /// let go (user code of a pool allocator or map guard included). A request made from inside
+    /// one (a pool's allocator that allocates from the same allocator) never waits for growth to
+    /// end: it could be waiting for its own caller.
+    static GROWING: RefCell<Vec<AllocatorId>> = const { RefCell::new(Vec::new()) };
+}
+
+thread_local! {
     /// Allocators whose memory this thread is giving back now (a segment free, an unmap or a
     /// reservation free under way, user code of a pool allocator or map guard included).
     static RELEASING: RefCell<Vec<AllocatorId>> = const { RefCell::new(Vec::new()) };
@@ -92,6 +100,18 @@ fn as_releasing<R>(id: AllocatorId, f: impl FnOnce() -> R) -> R {
     mark(&RELEASING, id, true);
     let _off = scopeguard::guard((), |()| mark(&RELEASING, id, false));
     f()
+}
+
+/// Whether this thread is inside a segment call or map of `id` (see [`GROWING`]); a thread
+/// whose locals are gone says yes (it never waits).
+fn growing_here(id: AllocatorId) -> bool {
+    GROWING.try_with(|r| r.borrow().contains(&id)).unwrap_or(true)
+}
+
+/// Marks this thread as inside a segment call or map of `id` until the guard is dropped.
+fn as_growing(id: AllocatorId) -> impl Drop {
+    mark(&GROWING, id, true);
+    scopeguard::guard((), move |()| mark(&GROWING, id, false))
 }
 
 /// Whether this thread is running `id`'s outbox.
@@ -170,33 +190,6 @@ const CACHED_POOLS: usize = 64;
 /// How long a request that found no memory waits, in all, for other threads' segments in the
 /// making before it gives back cached memory (see `DeviceAllocator::grow`).
 const GROWTH_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
-
-thread_local! {
-    /// Segment calls and maps this thread is inside, with an allocator's lock let go (of any
-    /// allocator). A request made from inside one (a pool's allocator that allocates) never waits
-    /// for growth to end: it could be waiting for its own caller.
-    static GROWING_HERE: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
-}
-
-/// Marks this thread as inside a segment call or a map until dropped (see `GROWING_HERE`).
-struct GrowingHere;
-
-impl GrowingHere {
-    fn enter() -> GrowingHere {
-        GROWING_HERE.with(|g| g.set(g.get() + 1));
-        GrowingHere
-    }
-
-    fn inside() -> bool {
-        GROWING_HERE.try_with(|g| g.get() > 0).unwrap_or(true)
-    }
-}
-
-impl Drop for GrowingHere {
-    fn drop(&mut self) {
-        let _ = GROWING_HERE.try_with(|g| g.set(g.get().saturating_sub(1)));
-    }
-}
 
 /// What mapping more memory for a request came to.
 enum Grown<'a> {
@@ -896,10 +889,11 @@ impl DeviceAllocator {
                 };
                 let got = match st.segment_size_for(slot, rounded) {
                     Some(size) if st.within_limit(size) => {
-                        let spare = if st.no_split(slot) { 0 } else { size - rounded };
-                        let growth = st.begin_growth(key, size, spare);
+                        let split = !st.no_split(slot)
+                            && crate::rules::should_split(size, rounded, small, st.config.max_split_size);
+                        let growth = st.begin_growth(key, size, if split { size - rounded } else { 0 });
                         // Before the unlock, whose outbox may run user code that allocates.
-                        let here = GrowingHere::enter();
+                        let here = as_growing(self.id);
                         self.unlock(st, true);
                         let seg_keep = keep.take().unwrap_or_else(|| (req.keep)());
                         let r = contain("the pool allocator", || match &source {
@@ -998,12 +992,15 @@ impl DeviceAllocator {
                 return Ok(a);
             }
             // Another thread is making a segment or mapping memory for this request's free set,
-            // with the lock let go, and its request leaves room for this one: PyTorch's callers
-            // wait on its lock while it does; this one waits for it (`GROWTH_WAIT` at most, in
-            // all), then starts over, before giving anything back. Not from inside a segment
-            // call or map of its own thread (it could be waiting for its caller).
-            if !GrowingHere::inside() && st.growth_may_serve(key, rounded) {
-                match self.wait_for_growth(st, key, rounded, &mut waited) {
+            // with the lock let go, and its request leaves room for this one; or, under a
+            // memory-fraction limit, any growth, whose bytes the limit counted against this
+            // request. PyTorch's callers wait on its lock while it does; this one waits for the
+            // growths under way now (`GROWTH_WAIT` at most, in all), then starts over, before
+            // giving anything back. Not from inside a segment call or map of its own thread on
+            // this allocator (it could be waiting for its caller).
+            let (mark, any) = (st.growth_mark(), st.limit.is_some());
+            if !growing_here(self.id) && st.growth_may_serve(key, rounded, mark, any) {
+                match self.wait_for_growth(st, (key, rounded, mark, any), &mut waited) {
                     None => continue,
                     Some(held) => st = held,
                 }
@@ -1052,14 +1049,14 @@ impl DeviceAllocator {
     }
 
     /// `st` back, held throughout, if this request has waited `GROWTH_WAIT` in all already;
-    /// else waits, with the lock let go, until no growth under way may serve it (see
-    /// `State::growth_may_serve`) or the time is up, and returns `None`: the caller starts over.
+    /// else waits, with the lock let go, until none of the growths `what` names is under way
+    /// (`State::growth_may_serve`: key, rounded size, mark, any) or the time is up, and returns
+    /// `None`: the caller starts over.
     #[cold]
     fn wait_for_growth<'a>(
         &'a self,
         st: Locked<'a>,
-        key: state::SetKey,
-        rounded: usize,
+        (key, rounded, mark, any): (state::SetKey, usize, u64, bool),
         waited: &mut Option<(std::time::Instant, u32)>,
     ) -> Option<Locked<'a>> {
         let (since, spins) = waited.get_or_insert_with(|| (std::time::Instant::now(), 0));
@@ -1068,10 +1065,12 @@ impl DeviceAllocator {
         }
         self.unlock(st, false);
         loop {
-            *spins += 1;
+            // (Not beyond the back-off's 64 µs sleeps: a growth ends within a segment call's
+            // time, and this request should look soon after.)
+            *spins = (*spins + 1).min(86);
             crate::sync::back_off(*spins);
             let st = self.lock();
-            let may = st.growth_may_serve(key, rounded);
+            let may = st.growth_may_serve(key, rounded, mark, any);
             drop(st);
             if !may || since.elapsed() >= GROWTH_WAIT {
                 return None;
@@ -1133,11 +1132,9 @@ impl DeviceAllocator {
         };
         match st.plan_map(key, rounded) {
             Some(plan) if st.within_limit(plan.size) => {
-                // (The mapped run joins the free block before it, if any: its spare is at least
-                // what the request leaves of the new memory.)
-                let growth = st.begin_growth(key, plan.size, plan.size.saturating_sub(rounded));
+                let growth = st.begin_growth(key, plan.size, plan.spare);
                 let guard = st.pools[slot.get()].spec.map_guard.clone();
-                let here = GrowingHere::enter();
+                let here = as_growing(self.id);
                 self.unlock(st, true);
                 let mut mapped = Vec::new();
                 let mut failed = None;

@@ -947,10 +947,16 @@ impl State {
         self.growths.iter().filter(|g| g.gen == gen).map(|g| g.size).sum()
     }
 
-    /// Whether a growth under way (in this process) may leave a block of `rounded` bytes free
-    /// in `key`'s set.
-    pub(super) fn growth_may_serve(&self, key: SetKey, rounded: usize) -> bool {
+    /// The id the next growth will get: growths with lower ids are those under way or ended.
+    pub(super) fn growth_mark(&self) -> u64 {
+        self.next_growth
+    }
+
+    /// Whether a growth begun before `mark` is still under way (in this process) that may leave
+    /// a block of `rounded` bytes free in `key`'s set, or, with `any`, any growth begun before
+    /// `mark` (whose bytes the memory-fraction limit counted).
+    pub(super) fn growth_may_serve(&self, key: SetKey, rounded: usize, mark: u64, any: bool) -> bool {
         let gen = crate::sync::fork_generation();
-        self.growths.iter().any(|g| g.gen == gen && g.key == key && g.spare >= rounded)
+        self.growths.iter().any(|g| g.gen == gen && g.id < mark && (any || (g.key == key && g.spare >= rounded)))
     }
 }
