@@ -338,7 +338,9 @@ fn a_limit_refusal_waits_for_the_growth_it_counted_without_spare() {
         let opener = opener_after(move || g2.gate.open(), 100);
         let r = pool.alloc::<u8>(8 * MIB).map(|b| b.len());
         opener.join().unwrap();
-        assert!(grower.join().unwrap().is_err());
+        // (Which of the two requests the source's second refusal goes to is a race: the grower
+        // may be served by its retry, after this request's call took that refusal.)
+        let _ = grower.join().unwrap();
         assert_eq!(r.as_ref().ok(), Some(&(8 * MIB)), "refused by the limit for a growth that then failed: {r:?}");
     });
 }

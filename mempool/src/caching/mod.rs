@@ -844,6 +844,10 @@ impl DeviceAllocator {
         // When this request first waited for another thread's segment (see below), and its
         // back-off count.
         let mut waited: Option<(std::time::Instant, u32)> = None;
+        // The growths under way at this request's first refusal (ids below this mark) are the
+        // only ones it waits for: threads that keep growing and being refused would otherwise
+        // chain its waits up to `GROWTH_WAIT`.
+        let mut mark: Option<u64> = None;
         // While this request climbs the out-of-memory ladder, no thread caches what it frees:
         // blocks freed meanwhile go to their free sets, where this request can find them.
         let mut _pressure = None;
@@ -992,13 +996,19 @@ impl DeviceAllocator {
                 return Ok(a);
             }
             // Another thread is making a segment or mapping memory for this request's free set,
-            // with the lock let go, and its request leaves room for this one; or, under a
-            // memory-fraction limit, any growth, whose bytes the limit counted against this
-            // request. PyTorch's callers wait on its lock while it does; this one waits for the
-            // growths under way now (`GROWTH_WAIT` at most, in all), then starts over, before
-            // giving anything back. Not from inside a segment call or map of its own thread on
-            // this allocator (it could be waiting for its caller).
-            let (mark, any) = (st.growth_mark(), st.limit.is_some());
+            // with the lock let go, and its request leaves room for this one; or the memory-
+            // fraction limit refused this request only for the bytes of growths under way (any
+            // set's). PyTorch's callers wait on its lock while it does; this one waits for the
+            // growths under way (`GROWTH_WAIT` at most, in all), then starts over, before
+            // giving anything back; only for those under way at its first refusal. Not from
+            // inside a segment call or map of its own thread on this allocator (it could be
+            // waiting for its caller).
+            let need = if st.pools[slot.get()].spec.expandable {
+                rounded
+            } else {
+                st.segment_size_for(slot, rounded).unwrap_or(rounded)
+            };
+            let (mark, any) = (*mark.get_or_insert(st.growth_mark()), st.limited_by_growth(need));
             if !growing_here(self.id) && st.growth_may_serve(key, rounded, mark, any) {
                 match self.wait_for_growth(st, (key, rounded, mark, any), &mut waited) {
                     None => continue,
@@ -1065,9 +1075,9 @@ impl DeviceAllocator {
         }
         self.unlock(st, false);
         loop {
-            // (Not beyond the back-off's 64 µs sleeps: a growth ends within a segment call's
-            // time, and this request should look soon after.)
-            *spins = (*spins + 1).min(86);
+            // (Sleeps of 1 ms at most: a growth takes a segment call's time, and many waiters
+            // must not keep taking the lock.)
+            *spins = (*spins + 1).min(90);
             crate::sync::back_off(*spins);
             let st = self.lock();
             let may = st.growth_may_serve(key, rounded, mark, any);

@@ -27,6 +27,15 @@ impl State {
         })
     }
 
+    /// Whether the memory-fraction limit refuses `size` more bytes only because of the growths
+    /// under way (without them they would fit).
+    pub(super) fn limited_by_growth(&self, size: usize) -> bool {
+        self.limit.is_some_and(|limit| {
+            let reserved = (self.stats.reserved_bytes.current() as usize + self.releasing).saturating_add(size);
+            reserved <= limit && reserved.saturating_add(self.growing()) > limit
+        })
+    }
+
     /// Takes a new segment into the cache as one free block in `set`, and tells the hooks.
     pub(super) fn insert_segment(
         &mut self,
