@@ -9,7 +9,7 @@ date -u; nvidia-smi --query-gpu=name --format=csv,noheader
 lscpu | egrep "Model name|^CPU\(s\)"
 git log --oneline -1 2>/dev/null
 mkdir -p /tmp/logs; OUT=/tmp/logs bash .gpu/run.sh | grep -v "^ok "
-grep -h "test result" /tmp/logs/oom_races-test.log /tmp/logs/review16-test.log /tmp/logs/review17-test.log 2>/dev/null
+grep -h "test result" /tmp/logs/oom_races-test.log 2>/dev/null
 cp .gpu/bin/mempool-bench-lto .gpu/bin/mempool-bench
 echo "== compare.sh latency (release-lto)"
 bash .gpu/anchors/compare.sh latency 2>&1 | tail -9
