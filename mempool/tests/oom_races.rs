@@ -14,6 +14,8 @@
 
 mod common;
 
+use common::sources::no_thread_cache;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Barrier, Condvar, Mutex};
 use std::time::Duration;
@@ -102,10 +104,6 @@ unsafe impl RawAllocator for Gated {
     fn granularity(&self) -> usize {
         2 * MIB
     }
-}
-
-fn no_thread_cache(sim: &Arc<SimDevice>) -> Allocator<mempool::Sim> {
-    Allocator::sim_with(sim.clone(), Config::builder().thread_cache(false).build().unwrap())
 }
 
 /// One 2 MiB segment, both halves held; a third request's segment call is refused, and while

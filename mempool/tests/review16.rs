@@ -14,6 +14,8 @@
 
 mod common;
 
+use common::sources::no_thread_cache;
+
 use common::watch::within;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -24,10 +26,6 @@ use mempool::sim::SimDevice;
 use mempool::{Allocator, BackendError, Config, Error, MemPool, PoolOptions, RawAllocator, StreamId};
 
 const MIB: usize = 1 << 20;
-
-fn no_thread_cache(sim: &Arc<SimDevice>) -> Allocator<mempool::Sim> {
-    Allocator::sim_with(sim.clone(), Config::builder().thread_cache(false).build().unwrap())
-}
 
 /// A segment source whose calls block until `open` (then answer from a capacity).
 struct Blocker {

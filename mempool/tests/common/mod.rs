@@ -7,6 +7,7 @@ pub(crate) mod mutate;
 pub(crate) mod procs;
 pub(crate) mod ptx;
 pub(crate) mod sock;
+pub(crate) mod sources;
 pub(crate) mod watch;
 
 use mempool::sim::SimDevice;
