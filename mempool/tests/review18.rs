@@ -66,38 +66,45 @@ fn refusal_churn(
     hs.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
-/// review17's churn probe with 8 threads instead of 2: the mark is taken again at every
-/// refusal, so a refused request waits for whichever other thread's (doomed) segment call
-/// began since, then makes its own call, is refused, and finds the next one under way: a
-/// chain up to `GROWTH_WAIT`. (PyTorch: the calls are serialized, a report takes ~10 ms.)
+/// `threads` threads (each on its own stream if `own_streams`) keep asking a pool for 1 MiB
+/// blocks its source refuses after 2 ms, for `ms`; every refusal must come within 250 ms.
+fn assert_refusals_prompt(
+    a: &Allocator<mempool::Sim>,
+    sim: &Arc<SimDevice>,
+    threads: usize,
+    own_streams: bool,
+    ms: u64,
+    what: &str,
+) {
+    let src = Script::new(0, Duration::from_millis(2));
+    let pool = MemPool::on(a, PoolOptions::new().shared_allocator(src.clone())).unwrap();
+    let r = refusal_churn(a, sim, &pool, threads, own_streams, ms);
+    eprintln!("{what} (worst, mean, requests, over 250 ms): {r:?}");
+    let worst = r.iter().map(|x| x.0).max().unwrap();
+    assert!(worst < Duration::from_millis(250), "{what}: a refused request took {worst:?}: {r:?}");
+}
+
+/// review17's churn probe with 8 threads instead of 2. Had the mark been taken again at every
+/// refusal, a refused request would wait for whichever other thread's (doomed) segment call
+/// began since, make its own call, be refused, and find the next one under way: a chain up to
+/// `GROWTH_WAIT` (a worst over 250 ms in 1 run of 2, with 1 ms sleeps). (PyTorch: the calls
+/// are serialized, a report takes ~10 ms.)
 #[test]
 fn held_oom_is_prompt_while_eight_threads_keep_being_refused_on_the_same_key() {
-    within(60, "same-key refusal churn, 4 threads", || {
+    within(60, "same-key refusal churn, 8 threads", || {
         let sim = SimDevice::new(64 * MIB);
-        let a = no_thread_cache(&sim);
-        let src = Script::new(0, Duration::from_millis(2));
-        let pool = MemPool::on(&a, PoolOptions::new().shared_allocator(src.clone())).unwrap();
-        let r = refusal_churn(&a, &sim, &pool, 8, false, 2500);
-        eprintln!("8 threads, same key (worst, mean, requests, over 250 ms): {r:?}");
-        let worst = r.iter().map(|x| x.0).max().unwrap();
-        assert!(worst < Duration::from_millis(250), "a refused request took {worst:?}: {r:?}");
+        assert_refusals_prompt(&no_thread_cache(&sim), &sim, 8, false, 2500, "8 threads, same key");
     });
 }
 
 /// Under a memory-fraction limit (set, with room to spare: the source refuses), every refusal
-/// waits for every growth under way (`any`), of any stream: 4 threads, each on its own stream,
-/// each refused by the source, wait for each other's doomed calls in a chain. Without the
-/// limit (`held_...` below) the same threads are not held.
+/// waited for every growth under way, of any stream, at f569c1e: 4 threads, each on its own
+/// stream, each refused by the source, waited for each other's doomed calls in a chain.
 #[test]
 fn oom_under_a_memory_limit_is_prompt_while_other_streams_are_refused() {
     within(60, "limit, 4 streams refused", || {
         let (sim, a) = limited(512 * MIB, false);
-        let src = Script::new(0, Duration::from_millis(2));
-        let pool = MemPool::on(&a, PoolOptions::new().shared_allocator(src.clone())).unwrap();
-        let r = refusal_churn(&a, &sim, &pool, 4, true, 2500);
-        eprintln!("limit set, 4 streams (worst, mean, requests, over 250 ms): {r:?}");
-        let worst = r.iter().map(|x| x.0).max().unwrap();
-        assert!(worst < Duration::from_millis(250), "a refused request took {worst:?}: {r:?}");
+        assert_refusals_prompt(&a, &sim, 4, true, 2500, "limit set, 4 streams");
     });
 }
 
@@ -106,13 +113,7 @@ fn oom_under_a_memory_limit_is_prompt_while_other_streams_are_refused() {
 fn held_oom_without_a_limit_is_prompt_while_other_streams_are_refused() {
     within(60, "no limit, 4 streams refused", || {
         let sim = SimDevice::new(64 * MIB);
-        let a = no_thread_cache(&sim);
-        let src = Script::new(0, Duration::from_millis(2));
-        let pool = MemPool::on(&a, PoolOptions::new().shared_allocator(src.clone())).unwrap();
-        let r = refusal_churn(&a, &sim, &pool, 4, true, 1500);
-        eprintln!("no limit, 4 streams (worst, mean, requests, over 250 ms): {r:?}");
-        let worst = r.iter().map(|x| x.0).max().unwrap();
-        assert!(worst < Duration::from_millis(250), "a refused request took {worst:?}: {r:?}");
+        assert_refusals_prompt(&no_thread_cache(&sim), &sim, 4, true, 1500, "no limit, 4 streams");
     });
 }
 

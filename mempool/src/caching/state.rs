@@ -934,6 +934,21 @@ impl State {
         id
     }
 
+    /// Best fit for a request of `rounded` bytes (`requested` asked for) in pool `slot` on
+    /// `stream`, taken (split and counted) if there is one.
+    pub(super) fn take_fit(
+        &mut self,
+        slot: Slot,
+        stream: StreamKey,
+        rounded: usize,
+        requested: usize,
+    ) -> Option<super::Allocation> {
+        let set = self.set_for(slot, stream, rules::is_small(rounded));
+        let b = self.best_fit(set, rounded, self.no_split(slot))?;
+        Some(self.take_block(b, rounded, requested))
+    }
+
+    /// Takes back the growth `begin_growth` recorded as `id`.
     pub(super) fn end_growth(&mut self, id: u64) {
         if let Some(i) = self.growths.iter().position(|g| g.id == id) {
             self.growths.swap_remove(i);
