@@ -13,7 +13,8 @@
 //! same through the raw byte API as `pair-raw` / `mixed-raw`. `replay` prints one line per rep:
 //! `mempool <trace> rep=<r> <cold|warm> events=<n> ns_per_event=<x> peak_allocated=<b> peak_reserved=<b>`;
 //! each allocation is made with its recorded stream current (value 0: the default stream; each other
-//! value: a stream of its own, see `mempool_bench::playback`).
+//! value: a stream of its own, see `mempool_bench::playback`). Three reps (rep 0 cold, then warm);
+//! `MEMPOOL_BENCH_REPS` sets another count (a profiler's long run of warm reps).
 //! `scope` prints `scope enter_exit <ns>`, then `scope pair_default <bytes> <ns>` and
 //! `scope pair_in_scope <bytes> <ns>` measured one after the other in the same run, then a scope
 //! around every pair: by hand in a block and through `pool_scope!`, by hand in a function and
@@ -328,7 +329,8 @@ fn replay<K: Kind>(a: &Allocator<K>, path: &str, streams: &mut Streams<'_, K>) -
     let name = path.rsplit('/').next().unwrap_or(path);
     let play = Playback::new(&ops, streams.default.clone(), &mut *streams.new).map_err(|e| format!("{path}: {e}"))?;
     a.empty_cache().map_err(|e| e.to_string())?;
-    for rep in 0..3 {
+    let reps = std::env::var("MEMPOOL_BENCH_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    for rep in 0..reps {
         let r = play.run(a).map_err(|e| format!("{path}: {e}"))?;
         out!(
             "mempool {name} rep={rep} {} events={} ns_per_event={:.1} peak_allocated={} peak_reserved={}",
