@@ -9,7 +9,9 @@
 //! cargo run --release --example allreduce -- --procs      # one process per GPU (launches itself)
 //! torchrun --nproc-per-node 8 target/release/examples/allreduce   # or srun / mpirun: one rank each
 //! ```
-//! Options: `--min-mb N` (1), `--max-mb N` (1024), `--iters N` (20), `--no-window` (skip the
+//! Options: `--min-mb N` (1), `--max-mb N` (1024), `--iters N` (20 timed calls per measurement at
+//! 16 MiB and up; below, `N × 16 / MiB`, so that a latency-bound size is timed over as long as
+//! 16 MiB is and its ratios are not one scheduling hiccup's), `--no-window` (skip the
 //! symmetric-window column, which needs NCCL 2.27+), `--no-symm` (skip the symmetric-memory
 //! kernels' columns).
 //!
@@ -208,7 +210,10 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
         let how = if matches!(sync, Sync::Threads(_)) { "one thread per GPU" } else { "one process per GPU" };
         println!("# allreduce: {world} rank(s), NCCL {a}.{b}.{c}, {how}");
         println!("# {}", nvls_line(dev));
-        println!("# float32 sum, in place; time per call over {} calls after 5 checked/warm-up calls; busbw = algbw * 2(n-1)/n", o.iters);
+        println!(
+            "# float32 sum, in place; time per call over {} calls ({} x 16/MiB below 16 MiB) after 5 checked/warm-up calls; busbw = algbw * 2(n-1)/n",
+            o.iters, o.iters
+        );
         println!("# reg: ncclMemAlloc pool buffer registered (ncclCommRegister); exp: expandable nccl_pool buffer registered; win: symmetric window (ncclCommWindowRegister); def: default pool, unregistered");
         println!("# reg and exp are measured in turns, twice each; the faster of each pair is shown; exp/reg = their busbw ratio");
         println!("# 1shot / 2shot: mempool's one-shot (out of place) and two-shot (in place) kernels over symmetric memory (mempool_nccl::symm), no NCCL in the loop");
@@ -239,6 +244,8 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
     let mut mb = o.min_mb.max(1);
     while mb <= o.max_mb {
         let n = mb << 18; // MiB of f32
+                          // The same on every rank (the calls are collective).
+        let iters = o.iters * (16 / mb).max(1);
         let bytes = (n * 4) as f64;
         let value = (rank + 1) as f32;
         let mut reg_buf = pool_buffer(&pool, &stream, n, value).map_err(|x| e(&x))?;
@@ -251,22 +258,22 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
                 stream.memcpy_htod(&fill, &mut reg_buf).map_err(|x| e(&x))?;
                 stream.memcpy_htod(&fill, &mut exp_buf).map_err(|x| e(&x))?;
             }
-            reg = reg.min(measure(&comm, &stream, &sync, &alloc, &mut reg_buf, o.iters)?);
-            exp = exp.min(measure(&comm, &stream, &sync, &alloc, &mut exp_buf, o.iters)?);
+            reg = reg.min(measure(&comm, &stream, &sync, &alloc, &mut reg_buf, iters)?);
+            exp = exp.min(measure(&comm, &stream, &sync, &alloc, &mut exp_buf, iters)?);
         }
         drop((reg_buf, exp_buf));
         let win = if o.window {
             let mut buf = pool_buffer(&win_pool, &stream, n, value).map_err(|x| e(&x))?;
             // The window borrows the buffer until it is deregistered; collectives use it through it.
             let mut window = comm.register_window(&mut buf, &stream).map_err(|x| e(&x))?;
-            let t = measure(&comm, &stream, &sync, &alloc, &mut window, o.iters)?;
+            let t = measure(&comm, &stream, &sync, &alloc, &mut window, iters)?;
             window.deregister().map_err(|x| e(&x))?;
             Some(t)
         } else {
             None
         };
         let mut def_buf = default_buffer(&alloc, &stream, n, value).map_err(|x| e(&x))?;
-        let def = measure(&comm, &stream, &sync, &alloc, &mut def_buf, o.iters)?;
+        let def = measure(&comm, &stream, &sync, &alloc, &mut def_buf, iters)?;
         drop(def_buf);
         let symm = if symm_here {
             // Collective, like the communicator's calls: every rank, the same size.
@@ -275,7 +282,7 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
             let mut times = [0.0; 2];
             for (two_shot, t) in [false, true].into_iter().zip(&mut times) {
                 stream.memcpy_htod(&fill, &mut symm.peer(rank, &stream).map_err(|x| e(&x))?).map_err(|x| e(&x))?;
-                *t = measure_symm(&comm, &stream, &sync, &alloc, &symm, &mut out, two_shot, o.iters)?;
+                *t = measure_symm(&comm, &stream, &sync, &alloc, &symm, &mut out, two_shot, iters)?;
             }
             Some(times)
         } else {
