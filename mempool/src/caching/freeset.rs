@@ -7,7 +7,8 @@
 //! never allocates; a bin that grows past [`TREE_AT`] entries becomes a `BTreeSet` so that many
 //! equal-sized free blocks stay O(log n). Since every size lies in exactly one class and classes
 //! are ordered, the first block at or above the request in its own class, else the first block of
-//! the next non-empty class, is the exact best fit.
+//! the next non-empty class, is the exact best fit. The best fit and the entry after it are named
+//! in place, and only the one a caller takes leaves the set.
 
 use std::collections::BTreeSet;
 
@@ -96,24 +97,40 @@ impl FreeSet {
         &self.trees.iter().find(|(b, _)| *b == c).expect("tree bin listed").1
     }
 
-    /// The smallest entry whose size is at least `size` (lowest address among equals), removed
-    /// if `accept` agrees.
+    /// The smallest entry whose size is at least `size` (lowest address among equals), and its
+    /// bin; left in the set.
     #[inline]
-    pub(super) fn take_best_fit(&mut self, size: usize, accept: impl FnOnce(usize) -> bool) -> Option<Key> {
+    pub(super) fn best_fit(&self, size: usize) -> Option<(usize, Key)> {
         let c = class_of(size);
-        let k = key(size, 0, 0);
-        let (bin, found) = match self.first_at_or_above(c, k) {
-            Some(f) => (c, f),
+        match self.first_at_or_above(c, key(size, 0, 0)) {
+            Some(f) => Some((c, f)),
             None => {
                 let next = self.next_nonempty(c + 1)?;
-                (next, self.first_at_or_above(next, 0)?)
+                Some((next, self.first_at_or_above(next, 0)?))
             }
-        };
-        if !accept(key_size(found)) {
-            return None;
         }
-        self.remove_from(bin, found);
-        Some(found)
+    }
+
+    /// The entry after `k` (an entry of bin `c`) in the set's order, and its bin; left in the
+    /// set. After a best fit, the second best.
+    #[inline]
+    pub(super) fn next_after(&self, c: usize, k: Key) -> Option<(usize, Key)> {
+        // Keys are distinct (the block index is part of each), and never the largest value.
+        match self.first_at_or_above(c, k + 1) {
+            Some(f) => Some((c, f)),
+            None => {
+                let next = self.next_nonempty(c + 1)?;
+                Some((next, self.first_at_or_above(next, 0)?))
+            }
+        }
+    }
+
+    /// Takes out entry `k` of bin `c` (as [`best_fit`](Self::best_fit) or
+    /// [`next_after`](Self::next_after) named it).
+    #[inline]
+    pub(super) fn take(&mut self, c: usize, k: Key) {
+        let found = self.remove_from(c, k);
+        debug_assert!(found, "a key the set named");
     }
 
     #[inline(always)]
@@ -253,8 +270,16 @@ mod tests {
             }
             let want_size = 512 << (next() % 31);
             let want = reference.range(key(want_size, 0, 0)..).next().copied();
+            // The second best, as the expandable rule looks at it, left in place.
+            let named = fs.best_fit(want_size);
+            assert_eq!(named.map(|(_, k)| k), want, "best fit of {want_size}");
+            let after = named.and_then(|(c, k)| fs.next_after(c, k)).map(|(_, k)| k);
+            let want_after = want.and_then(|w| reference.range(w + 1..).next().copied());
+            assert_eq!(after, want_after, "entry after the best fit of {want_size}");
             let take = next() % 2 == 0;
-            assert_eq!(fs.take_best_fit(want_size, |_| take), want.filter(|_| take), "request {want_size}");
+            if let (Some((c, k)), true) = (named, take) {
+                fs.take(c, k);
+            }
             if let (Some(w), true) = (want, take) {
                 reference.remove(&w);
             }

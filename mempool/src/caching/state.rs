@@ -9,7 +9,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::num::NonZeroU32;
 use std::sync::Arc;
 
-use super::freeset::{key, key_idx, FreeSet};
+use super::freeset::{key, key_idx, key_size, FreeSet};
 use crate::backend::{Keep, RawAllocator};
 use crate::config::Config;
 use crate::error::Error;
@@ -555,24 +555,34 @@ impl State {
             let whole_only = no_split || size >= max_split;
             !((size < max_split && block >= max_split) || (whole_only && block >= size + rules::LARGE_BUFFER))
         };
-        let k = self.sets[set.0 as usize].take_best_fit(size, accept)?;
-        self.sink.gens().bump(set.0);
-        let first = BlockIdx::from_key(key_idx(k));
+        let s = set.0 as usize;
+        let (c1, k1) = self.sets[s].best_fit(size)?;
+        if !accept(key_size(k1)) {
+            return None;
+        }
+        let first = BlockIdx::from_key(key_idx(k1));
+        let mut take = (c1, k1, first);
         // Expandable memory (PyTorch's rule): the free block at the end of a segment, with
         // unmapped space after it, counts as big as it can grow, so the next bigger block is
         // taken instead when that is smaller, and the end stays free to grow into.
-        // (No reservation, nothing expandable: no call, no segment looked at.)
+        // (No reservation, nothing expandable: no call, no segment looked at.) The second
+        // block is looked at in place: only the one taken leaves the set.
         let grow = if self.reservations.is_empty() { 0 } else { self.unmapped_after(first) };
-        if grow == 0 {
-            return Some(first);
+        if grow != 0 {
+            if let Some((c2, k2)) = self.sets[s].next_after(c1, k1) {
+                if accept(key_size(k2)) {
+                    let second = BlockIdx::from_key(key_idx(k2));
+                    let first_can = key_size(k1).saturating_add(grow);
+                    let second_can = key_size(k2).saturating_add(self.unmapped_after(second));
+                    if second_can < first_can {
+                        take = (c2, k2, second);
+                    }
+                }
+            }
         }
-        let Some(k2) = self.sets[set.0 as usize].take_best_fit(size, accept) else { return Some(first) };
-        let second = BlockIdx::from_key(key_idx(k2));
-        let first_can = self.block(first).size.saturating_add(grow);
-        let second_can = self.block(second).size.saturating_add(self.unmapped_after(second));
-        let (keep, back) = if second_can < first_can { (second, first) } else { (first, second) };
-        self.insert_free(back);
-        Some(keep)
+        self.sets[s].take(take.0, take.1);
+        self.sink.gens().bump(set.0);
+        Some(take.2)
     }
 
     #[inline(always)]
