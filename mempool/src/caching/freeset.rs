@@ -286,4 +286,85 @@ mod tests {
         }
         assert!(!fs.remove(key(512, 1, 1)));
     }
+
+    #[test]
+    /// Sizes anywhere in their class (so a bin is searched by size), trees, the top classes,
+    /// block indices near `u32::MAX`, requests of any byte count: the best fit, the entry
+    /// after it and their bins against a `BTreeSet`, either taken at random (hostile review
+    /// helper-47: the test above passed with `next_after` naming the wrong bin, or with the
+    /// best fit ignoring the size within its class).
+    fn best_fit_and_next_after_match_an_ordered_set_with_mixed_sizes() {
+        for seed in 1..40u64 {
+            let mut fs = FreeSet::new();
+            let mut reference = BTreeSet::new();
+            let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            };
+            for i in 0..20_000u32 {
+                // Sizes anywhere in a class (mixed sizes per bin), a few classes crowded into trees,
+                // and the top classes up to MAX_BLOCK.
+                let size = match next() % 6 {
+                    0 => 512 * (1 + (next() % 4) as usize),
+                    1 => (1 << 21) + 512 * (next() % 256) as usize,
+                    2 => crate::rules::MAX_BLOCK - 512 * (next() % 4096) as usize,
+                    _ => {
+                        let e = 9 + next() % 31;
+                        let lo = 1usize << e;
+                        ((lo + (next() % lo as u64) as usize) / 512 * 512).clamp(512, crate::rules::MAX_BLOCK)
+                    }
+                };
+                let idx = if next() % 50 == 0 { u32::MAX - (next() % 3) as u32 } else { i };
+                let k = key(size, next() % (1 << 56), idx);
+                if next() % 3 != 0 {
+                    if reference.insert(k) {
+                        fs.insert(k);
+                    }
+                } else if let Some(&victim) = reference.iter().nth((next() % 8) as usize) {
+                    assert!(fs.remove(victim));
+                    reference.remove(&victim);
+                }
+                let want_size = match next() % 3 {
+                    0 => 1 + (next() % (1 << 22)) as usize,
+                    1 => (1 << 21) + 512 * (next() % 256) as usize,
+                    _ => (1 + next() % (crate::rules::MAX_BLOCK as u64)) as usize,
+                };
+                let want = reference.range(key(want_size, 0, 0)..).next().copied();
+                let named = fs.best_fit(want_size);
+                assert_eq!(named.map(|(_, k)| k), want);
+                if let Some((c, k)) = named {
+                    assert_eq!(c, class_of(key_size(k)), "bin of the best fit");
+                }
+                let after = named.and_then(|(c, k)| fs.next_after(c, k));
+                let want_after = want.and_then(|w| reference.range(w + 1..).next().copied());
+                assert_eq!(after.map(|(_, k)| k), want_after);
+                if let Some((c, k)) = after {
+                    assert_eq!(c, class_of(key_size(k)), "bin of the second");
+                }
+                match next() % 3 {
+                    0 => {
+                        if let Some((c, k)) = named {
+                            fs.take(c, k);
+                            reference.remove(&k);
+                        }
+                    }
+                    1 => {
+                        if let Some((c, k)) = after {
+                            fs.take(c, k);
+                            reference.remove(&k);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            for k in reference.iter().copied().collect::<Vec<_>>() {
+                assert!(fs.remove(k));
+            }
+            assert_eq!(fs.nonempty, [0; WORDS]);
+            assert!(fs.trees.is_empty());
+        }
+    }
 }

@@ -563,10 +563,10 @@ impl State {
         let first = BlockIdx::from_key(key_idx(k1));
         let mut take = (c1, k1, first);
         // Expandable memory (PyTorch's rule): the free block at the end of a segment, with
-        // unmapped space after it, counts as big as it can grow, so the next bigger block is
-        // taken instead when that is smaller, and the end stays free to grow into.
-        // (No reservation, nothing expandable: no call, no segment looked at.) The second
-        // block is looked at in place: only the one taken leaves the set.
+        // unmapped space after it, counts as big as it can grow, so the next block in (size,
+        // address) order is taken instead when what it can grow to is smaller, and the end
+        // stays free to grow into. (No reservation, nothing expandable: no call, no segment
+        // looked at.) The second block is looked at in place: only the one taken leaves the set.
         let grow = if self.reservations.is_empty() { 0 } else { self.unmapped_after(first) };
         if grow != 0 {
             if let Some((c2, k2)) = self.sets[s].next_after(c1, k1) {
