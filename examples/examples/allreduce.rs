@@ -244,8 +244,7 @@ fn run_rank(comm: Communicator, sync: Sync, o: Opts) -> Result<(), String> {
     let mut mb = o.min_mb.max(1);
     while mb <= o.max_mb {
         let n = mb << 18; // MiB of f32
-                          // The same on every rank (the calls are collective).
-        let iters = o.iters * (16 / mb).max(1);
+        let iters = o.iters * (16 / mb).max(1); // the same on every rank: the calls are collective
         let bytes = (n * 4) as f64;
         let value = (rank + 1) as f32;
         let mut reg_buf = pool_buffer(&pool, &stream, n, value).map_err(|x| e(&x))?;
