@@ -349,12 +349,20 @@ impl State {
     /// For best fit, PyTorch's rule: a free block at the end of an expandable segment, with
     /// unmapped address space after it, counts as big as it can grow (its size plus that run);
     /// 0 for any other block (it counts as its size).
+    #[inline(always)]
     pub(super) fn unmapped_after(&self, b: BlockIdx) -> usize {
         let blk = self.block(b);
         if blk.next.is_some() {
             return 0;
         }
-        let s = self.seg(blk.seg);
+        self.unmapped_after_last(blk.seg)
+    }
+
+    /// [`unmapped_after`](Self::unmapped_after) for the last block of segment `seg` (a call of
+    /// its own: only the segment's last block looks at the reservation).
+    #[inline(never)]
+    fn unmapped_after_last(&self, seg: super::state::SegIdx) -> usize {
+        let s = self.seg(seg);
         let Some(res) = s.res else { return 0 };
         let r = self.res(res);
         if !r.merge {

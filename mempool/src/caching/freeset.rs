@@ -99,7 +99,7 @@ impl FreeSet {
 
     /// The smallest entry whose size is at least `size` (lowest address among equals), and its
     /// bin; left in the set.
-    #[inline]
+    #[inline(always)]
     pub(super) fn best_fit(&self, size: usize) -> Option<(usize, Key)> {
         self.first_from(class_of(size), key(size, 0, 0))
     }

@@ -822,9 +822,11 @@ impl DeviceAllocator {
         let no_split = st.no_split(slot);
         match st.best_fit(set, rounded, no_split) {
             Some(b) => {
-                let a = st.take_block(b, rounded, req.size);
+                // (Built in place as the result: an `Allocation` kept across the unlock, then
+                // moved into it, cost a copy of its 64 bytes.)
+                let r = Ok(st.take_block_inline(b, rounded, req.size));
                 self.unlock(st, false);
-                Ok(a)
+                r
             }
             None => {
                 drop(st);

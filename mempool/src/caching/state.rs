@@ -630,6 +630,12 @@ impl State {
     /// counts it, and returns what the caller holds of it.
     #[inline]
     pub(super) fn take_block(&mut self, block: BlockIdx, rounded: usize, requested: usize) -> super::Allocation {
+        self.take_block_inline(block, rounded, requested)
+    }
+
+    /// [`take_block`](Self::take_block), inlined into the locked allocation (its one hot caller).
+    #[inline(always)]
+    pub(super) fn take_block_inline(&mut self, block: BlockIdx, rounded: usize, requested: usize) -> super::Allocation {
         let b = self.block(block);
         let (small, pool) = (b.small, b.pool);
         // The inactive-split change of the whole step, counted once (as PyTorch counts a
@@ -756,19 +762,8 @@ impl State {
             debug_assert!(false, "double free of block {block:?}");
             return;
         }
-        let (size, requested, small, pool) = (b.size, b.requested, b.small, b.pool);
-        let mut uses = if b.has_uses {
-            b.has_uses = false;
-            self.uses.remove(&block).unwrap_or_default()
-        } else {
-            Vec::new()
-        };
-        if (self.host_visible && device_used) || self.pools[pool.get()].spec.host_visible {
-            // The next owner may write it from the host at once, not in stream order: wait for
-            // the block's own stream as for the others (its segment keeps that stream alive).
-            let seg = self.block(block).seg;
-            uses.push(Use { stream: self.seg(seg).stream, keep: None });
-        }
+        let (size, requested, small, pool, has_uses) = (b.size, b.requested, b.small, b.pool, b.has_uses);
+        let own_stream = (self.host_visible && device_used) || self.pools[pool.get()].spec.host_visible;
         let oversize = size >= self.config.max_split_size;
         self.sink.on_free_requested(small, size, requested, oversize);
         if pool != Slot::DEFAULT {
@@ -776,6 +771,24 @@ impl State {
         }
         if crate::trace::enabled() {
             self.emit(Action::FreeRequested, block);
+        }
+        if !has_uses && !own_stream {
+            // No other stream used it and nothing waits on its own: free at once (no vector of
+            // uses made and dropped, the common case).
+            self.free_block(block);
+            return;
+        }
+        let mut uses = if has_uses {
+            self.block_mut(block).has_uses = false;
+            self.uses.remove(&block).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        if own_stream {
+            // The next owner may write it from the host at once, not in stream order: wait for
+            // the block's own stream as for the others (its segment keeps that stream alive).
+            let seg = self.block(block).seg;
+            uses.push(Use { stream: self.seg(seg).stream, keep: None });
         }
         if uses.is_empty() {
             self.free_block(block);
