@@ -8,9 +8,9 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{check_invariants, pinned_sim, sim_with};
+use common::{check_invariants, pinned_sim, record_events as hook, sim_with, Seen};
 use mempool::sim::SimDevice;
-use mempool::trace::{self, Action};
+use mempool::trace::Action;
 use mempool::{Allocator, BackendError, BlockState, CaptureMode, MemPool, PoolOptions, RawAllocator, Sim, StreamId};
 
 struct FakeHost(Mutex<u64>);
@@ -35,22 +35,6 @@ unsafe impl RawAllocator for FakeHost {
 
 fn state_of(a: &Allocator<Sim>, addr: u64) -> BlockState {
     a.snapshot().segments.iter().flat_map(|s| s.blocks.iter()).find(|b| b.address == addr).unwrap().state
-}
-
-/// The block events a hook saw: (action, address).
-type Seen = Arc<Mutex<Vec<(Action, u64)>>>;
-
-fn hook(a: &Allocator<Sim>) -> (trace::TraceHandle, Seen) {
-    let seen: Seen = Arc::default();
-    let s2 = seen.clone();
-    let id = a.id();
-    let h = trace::attach(move |e| {
-        if e.allocator == id {
-            s2.lock().unwrap().push((e.action, e.addr));
-        }
-    })
-    .unwrap();
-    (h, seen)
 }
 
 fn count(seen: &Seen, act: Action, addr: u64) -> usize {

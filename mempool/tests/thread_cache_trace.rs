@@ -2,10 +2,10 @@
 //! free reaches it (the caches stand aside); blocks cached before a hook was attached report
 //! their free when they leave the cache. Its own binary: the hooks are process-wide.
 
-use std::sync::{Arc, Mutex};
+mod common;
 
 use mempool::sim::SimDevice;
-use mempool::trace::{self, Action};
+use mempool::trace::Action;
 use mempool::Allocator;
 
 #[test]
@@ -16,15 +16,7 @@ fn hooks_see_every_allocation_and_free() {
     let early = a.alloc::<u8>(8192).unwrap();
     let early_addr = early.device_ptr_raw();
     drop(early);
-    let seen: Arc<Mutex<Vec<(Action, u64)>>> = Arc::default();
-    let s2 = seen.clone();
-    let id = a.id();
-    let hook = trace::attach(move |e| {
-        if e.allocator == id {
-            s2.lock().unwrap().push((e.action, e.addr));
-        }
-    })
-    .unwrap();
+    let (hook, seen) = common::record_events(&a);
     for _ in 0..3 {
         drop(a.alloc::<u8>(4096).unwrap());
     }

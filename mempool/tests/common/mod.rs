@@ -13,6 +13,24 @@ pub(crate) mod watch;
 use mempool::sim::SimDevice;
 use mempool::{Allocator, BlockState, Kind, MemPool, MemoryStats, Snapshot, StatArray};
 
+/// The block events (action, address) a hook saw.
+pub(crate) type Seen = std::sync::Arc<std::sync::Mutex<Vec<(mempool::trace::Action, u64)>>>;
+
+/// Attaches a hook that records allocator `a`'s events (no other allocator's) while the
+/// returned handle lives.
+pub(crate) fn record_events<K: Kind>(a: &Allocator<K>) -> (mempool::trace::TraceHandle, Seen) {
+    let seen: Seen = Default::default();
+    let s2 = seen.clone();
+    let id = a.id();
+    let h = mempool::trace::attach(move |e| {
+        if e.allocator == id {
+            s2.lock().unwrap().push((e.action, e.addr));
+        }
+    })
+    .unwrap();
+    (h, seen)
+}
+
 /// xorshift64, as in the anchors' workloads.
 pub(crate) struct Rng(pub u64);
 
