@@ -343,8 +343,12 @@ pub(crate) struct Board {
     /// The address of the one member while there is exactly one (0 otherwise), set under the
     /// members' lock: its census needs no lock (see `census`).
     solo: AtomicU64,
-    /// Written only under the registry's retired lock.
-    pub(crate) retired: Arc<ThreadStats>,
+    /// Written only under the registry's retired lock, and only after `retired_written` is set
+    /// (`retired_to_write`, `retire`).
+    retired: Arc<ThreadStats>,
+    /// Whether `retired` was ever written (set before the first write, never cleared): until
+    /// then its counters are all zero, and the one member's census (see `census`) skips them.
+    retired_written: AtomicBool,
     /// Exited threads' elided pool allocations (see `ThreadStats::pool_elided`), moved here
     /// under the members' lock when they retire; added to their pools' counters under the
     /// allocator's lock.
@@ -361,6 +365,7 @@ impl Default for Board {
             members: Mutex::new(Vec::new()),
             solo: AtomicU64::new(0),
             retired: Arc::new(ThreadStats::default()),
+            retired_written: AtomicBool::new(false),
             retired_pools: Mutex::new(Vec::new()),
         }
     }
@@ -1080,6 +1085,7 @@ impl ThreadStats {
         self.read(|| self.current_now(i))
     }
 
+    #[inline]
     fn current_now(&self, i: usize) -> i64 {
         let (s, k) = (i / 3, i % 3);
         let at = |e: usize| self.cur[e].load(Ordering::Relaxed);
@@ -1115,6 +1121,21 @@ impl Board {
         self.peak[i].load(Ordering::Relaxed)
     }
 
+    /// The retired counters, to be written (by the holder of the registry's retired lock):
+    /// from now on censuses read them.
+    pub(crate) fn retired_to_write(&self) -> &Arc<ThreadStats> {
+        self.retired_written.store(true, Ordering::Release);
+        &self.retired
+    }
+
+    /// The retired counters commit everything (by the holder of the registry's retired lock,
+    /// under which `retired_written` is set: never written, they hold nothing to commit).
+    pub(crate) fn commit_retired(&self) {
+        if self.retired_written.load(Ordering::Relaxed) {
+            self.retired.commit_all(self);
+        }
+    }
+
     /// A thread's counters join the census.
     pub(crate) fn join(&self, t: Arc<ThreadStats>) {
         let mut m = lock_members(&self.members);
@@ -1134,6 +1155,7 @@ impl Board {
     pub(crate) fn retire(&self, t: &Arc<ThreadStats>) {
         {
             let mut m = lock_members(&self.members);
+            self.retired_written.store(true, Ordering::Release);
             self.retired.absorb(t);
             if let Some(e) = t.take_pool_elided() {
                 // One entry per pool (an exited thread's adds to it), so the list stays as
@@ -1164,13 +1186,27 @@ impl Board {
         // no lock. (A thread joining meanwhile is missed as one racing a census always is;
         // one retiring was absorbed into `retired` before `solo` named the caller.)
         if self.solo.load(Ordering::Acquire) == me as *const ThreadStats as u64 {
-            let now = me.current(i) + self.retired.current(i);
+            // `me` is the committing thread's own counters (a member's are written by its thread
+            // alone, and the retired ones are never `solo`), between its steps (no census runs
+            // inside one): read as they are, with no `seq` check. The retired counters, while
+            // never written, are zero. (Written meanwhile, by a thread that is not synchronised
+            // with this one: a read racing that write, as any census's read of them is.)
+            debug_assert_eq!(me.seq.load(Ordering::Relaxed) & 1, 0, "a census inside a step");
+            let retired = if self.retired_written.load(Ordering::Acquire) { self.retired.current(i) } else { 0 };
+            let now = me.current_now(i) + retired;
             if now < g && me.deferred(i) != 0 {
                 me.def_clipped.store(true, Ordering::Relaxed);
             }
             self.peak[i].fetch_max(g.min(now), Ordering::Relaxed);
             return;
         }
+        self.census_members(i, g);
+    }
+
+    /// [`census`](Self::census) when the caller is not the one member: under the members' lock.
+    #[cold]
+    #[inline(never)]
+    fn census_members(&self, i: usize, g: i64) {
         let m = lock_members(&self.members);
         let read = || m.iter().map(|t| t.current(i)).sum::<i64>() + self.retired.current(i);
         let mut now = read();
@@ -1704,6 +1740,38 @@ mod tests {
         let board = Board::default();
         let _filing = board.filing();
         let _ = board.pool_deferred(1);
+    }
+
+    /// The one member's census reads the retired counters once anything was written there:
+    /// an exited thread's allocations still count in the peaks. And a peak reset with no
+    /// thread exited leaves them unread (the cheap census while peaks climb after a reset).
+    #[test]
+    fn an_exited_threads_blocks_count_in_the_one_members_peaks() {
+        const MIB: usize = 1 << 20;
+        let peak = |board: &Board| board.peak(ALLOCATED_BYTES * 3);
+        let board = Board::default();
+        let a = Arc::new(ThreadStats::default());
+        board.join(a.clone());
+        a.on_alloc(&board, MIN_BYTE_SLACK, false, 4 * MIB, 4 * MIB, false);
+        a.on_free_requested(&board, MIN_BYTE_SLACK, false, 4 * MIB, 4 * MIB, false);
+        board.commit_retired();
+        board.reset_peaks();
+        assert!(!board.retired_written.load(Ordering::Relaxed), "nothing written to the retired counters yet");
+        a.before_rise(&board); // as a locked call does first
+        a.on_alloc(&board, MIN_BYTE_SLACK, false, 2 * MIB, 2 * MIB, false);
+        assert_eq!(peak(&board), (2 * MIB) as i64);
+
+        // A second thread allocates 1 MiB and exits holding it: `a` is the one member again.
+        let b = Arc::new(ThreadStats::default());
+        board.join(b.clone());
+        b.on_alloc(&board, MIN_BYTE_SLACK, false, MIB, MIB, false);
+        board.retire(&b);
+        board.reset_peaks();
+        assert_eq!(peak(&board), (3 * MIB) as i64);
+        a.before_rise(&board); // as a locked call does first
+        a.on_alloc(&board, MIN_BYTE_SLACK, false, 2 * MIB, 2 * MIB, false);
+        assert_eq!(peak(&board), (5 * MIB) as i64, "the exited thread's block counted");
+        assert_eq!(board.sum().cur[ALLOCATED_BYTES * 3], (5 * MIB) as i64);
     }
 
     /// The flag goes with the lock: a filing, then a sum, then a filing again.

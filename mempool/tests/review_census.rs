@@ -267,3 +267,29 @@ fn join_exit_race_then_quiescent() {
     drop(live);
     check_invariants(&a, Some(&sim));
 }
+
+/// C5: the main thread is the one member while the background event thread (no cache: it
+/// counts what it files in the retired counters, which no exited thread wrote before) files
+/// the free of a block the device used. After a reset, main's next allocation climbs the
+/// peaks: the census must count the retired counters' decrease, or the peak of active bytes
+/// would keep the filed block (one member's census skips retired counters never written).
+#[test]
+fn solo_while_the_event_thread_files_into_the_retired_counters() {
+    let (sim, a) = common::pinned_sim(1 << 30, "pinned_use_background_threads:True,thread_cache:False");
+    let s = sim.new_stream();
+    let on = a.set_stream(&s).unwrap();
+    let x = a.alloc::<u8>(4 * MIB).unwrap();
+    let _ = x.device_ptr_raw(); // the device used it: its free waits for stream `s`
+    drop(x);
+    drop(on);
+    sim.complete_stream(s);
+    assert!(common::eventually(|| a.memory_stats().active_bytes.all.current == 0), "the event thread files the block");
+    a.reset_peak_stats();
+    let y = a.alloc::<u8>(2 * MIB).unwrap();
+    let st = a.memory_stats();
+    assert_eq!(st.active_bytes.all.current, (2 * MIB) as i64);
+    assert_eq!(st.active_bytes.all.peak, (2 * MIB) as i64, "the filed 4 MiB block is not in the peak");
+    assert_eq!(st.allocated_bytes.all.peak, (2 * MIB) as i64);
+    drop(y);
+    check_invariants(&a, Some(&sim));
+}

@@ -797,7 +797,7 @@ impl Sink {
 
     /// The retired counters (the caller holds the retired lock until `clear`).
     pub(super) fn retired(&self) -> NonNull<ThreadStats> {
-        NonNull::from(&*self.board.retired)
+        NonNull::from(&**self.board.retired_to_write())
     }
 
     /// The statistics board.
@@ -1244,7 +1244,7 @@ impl Registry {
         // peaks are marked for a check when it is taken back (`Board::reset_peaks`).
         self.with_mine(id, |o| o.stats().commit_all(board));
         let _r = lock(&self.retired_lock);
-        board.retired.commit_all(board);
+        board.commit_retired();
     }
 
     /// The allocator is going: every cache is drained and let go (threads drop their entries
