@@ -1130,6 +1130,9 @@ impl Board {
 
     /// The retired counters commit everything (by the holder of the registry's retired lock,
     /// under which `retired_written` is set: never written, they hold nothing to commit).
+    /// Also at the end of every section that wrote them: they have several writers (the event
+    /// thread, threads whose locals are gone, exited threads' absorption), and a decrease one
+    /// left uncommitted would let another's later rise within it pass the peak unseen.
     pub(crate) fn commit_retired(&self) {
         if self.retired_written.load(Ordering::Relaxed) {
             self.retired.commit_all(self);
@@ -1192,8 +1195,13 @@ impl Board {
             // never written, are zero. (Written meanwhile, by a thread that is not synchronised
             // with this one: a read racing that write, as any census's read of them is.)
             debug_assert_eq!(me.seq.load(Ordering::Relaxed) & 1, 0, "a census inside a step");
+            // Its own first, as before: a thread whose locals are gone filing this thread's
+            // deferred block counts the free in the retired counters, then clears this one's
+            // record, so the reads in this order can only miss that free (a smaller sum, which
+            // a `fetch_max` ignores), never count it twice.
+            let own = me.current_now(i);
             let retired = if self.retired_written.load(Ordering::Acquire) { self.retired.current(i) } else { 0 };
-            let now = me.current_now(i) + retired;
+            let now = own + retired;
             if now < g && me.deferred(i) != 0 {
                 me.def_clipped.store(true, Ordering::Relaxed);
             }

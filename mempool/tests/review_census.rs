@@ -141,6 +141,12 @@ fn solo_with_locals_gone_thread_in_turns() {
             common::at_exit_first(); // registered first: destroyed after the allocator's locals
             if had_cache {
                 drop(a2.alloc::<u8>(4 * KIB).unwrap());
+            } else {
+                // Another allocator first: this thread's list of caches exists before the exit
+                // closure runs (else its first call there makes the list, and a cache of `a`
+                // with it: no thread whose locals are gone at all; review21.rs found that).
+                let other = Allocator::sim(SimDevice::new(1 << 30));
+                drop(other.alloc::<u8>(4 * KIB).unwrap());
             }
             let a3 = a2.clone();
             common::at_exit(move || {

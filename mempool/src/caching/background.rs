@@ -171,6 +171,8 @@ fn poll_events(p: &Parts) -> (bool, bool) {
     }
     // This thread is awake already.
     st.kick = false;
+    // Nothing left uncommitted for the retired counters' next writer (`Board::commit_retired`).
+    st.sink.board().commit_retired();
     st.sink.clear();
     drop(st);
     drop(retired);

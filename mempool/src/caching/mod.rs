@@ -279,6 +279,11 @@ impl Drop for Locked<'_> {
             // filed as this lock was taken): the next run delivers it.
             self.owner.has_work.store(true, Ordering::Release);
         }
+        if self.retired.is_some() {
+            // The retired counters leave nothing uncommitted for their next writer (see
+            // `Board::commit_retired`).
+            g.sink.board().commit_retired();
+        }
         g.sink.clear();
         drop(g);
         drop(self.retired.take());
