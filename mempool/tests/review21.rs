@@ -23,7 +23,7 @@ fn free_via_event_thread(sim: &SimDevice, a: &Allocator<Sim>, b: Buffer<u8, Sim>
     let _ = b.device_ptr_raw();
     let before = a.memory_stats().active.all.current;
     drop(b);
-    sim.complete_stream(s.clone());
+    sim.complete_stream(*s);
     assert!(
         common::eventually(|| a.memory_stats().active.all.current == before - 1),
         "the event thread files the block"
